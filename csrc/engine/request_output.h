@@ -1,0 +1,80 @@
+// Per-step results. Outputs live in a pool and are valid until the pool is released
+// (the next schedule() or flush); a handle checks the pool's generation on every read,
+// so a released output raises instead of showing another request's data.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sequence.h"
+
+namespace deepinfer {
+
+struct RequestOutputData {
+  std::string request_id;
+  int64_t seq_id = -1;
+  std::vector<int32_t> token_ids;  // tokens produced for this request in this step
+  bool finished = false;
+  SequenceStatus status = SequenceStatus::RUNNING;
+  int prompt_len = 0;
+  int output_len = 0;
+  float logprob = 0.0f;
+  bool has_logprob = false;
+};
+
+class ReleasedOutputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class RequestOutputPool {
+ public:
+  // Index of a fresh slot for the current generation (slots are reused, not freed).
+  size_t acquire();
+  RequestOutputData &at(size_t i) { return slots_[i]; }
+  // Invalidates every handle handed out so far.
+  void release_all();
+  uint64_t generation() const { return generation_; }
+  size_t size() const { return used_; }
+
+ private:
+  std::vector<RequestOutputData> slots_;
+  size_t used_ = 0;
+  uint64_t generation_ = 1;
+};
+
+// A handle to one output: pooled (pool + slot + generation) or owned (after clone()).
+class RequestOutput {
+ public:
+  RequestOutput(std::shared_ptr<RequestOutputPool> pool, size_t slot, uint64_t generation);
+  explicit RequestOutput(std::shared_ptr<RequestOutputData> owned);
+
+  const RequestOutputData &data() const;  // throws ReleasedOutputError if released
+  bool is_valid() const;
+  bool is_pooled() const { return owned_ == nullptr; }
+  RequestOutput clone() const;
+
+ private:
+  std::shared_ptr<RequestOutputPool> pool_;
+  size_t slot_ = 0;
+  uint64_t generation_ = 0;
+  std::shared_ptr<RequestOutputData> owned_;
+};
+
+// The outputs of one post-processing call: a contiguous range of pool slots.
+class StepOutputs {
+ public:
+  StepOutputs(std::shared_ptr<RequestOutputPool> pool, size_t begin, size_t end);
+  size_t size() const { return end_ - begin_; }
+  RequestOutput at(size_t i) const;
+
+ private:
+  std::shared_ptr<RequestOutputPool> pool_;
+  size_t begin_, end_;
+  uint64_t generation_;
+};
+
+}  // namespace deepinfer

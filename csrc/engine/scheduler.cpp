@@ -1,0 +1,333 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace deepinfer {
+
+namespace {
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(system_clock::now().time_since_epoch()).count();
+}
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+}  // namespace
+
+Scheduler::Scheduler(const SchedulerConfig &config)
+    : config_(config),
+      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
+      pool_(std::make_shared<RequestOutputPool>()) {
+  if (config.block_size <= 0 || config.num_blocks < 2 || config.max_num_seqs < 1 ||
+      config.max_num_batched_tokens < 1 || config.max_model_len < 2 || config.vocab_size < 1)
+    throw std::invalid_argument(
+        "SchedulerConfig: block_size, max_num_seqs, max_num_batched_tokens and vocab_size must be "
+        "positive, num_blocks >= 2 (block 0 is reserved) and max_model_len >= 2");
+}
+
+void Scheduler::validate(const Sequence &seq) const {
+  const std::string who = "request '" + seq.request_id + "': ";
+  const auto &tokens = seq.data.get_token_ids();
+  if (tokens.empty()) throw std::invalid_argument(who + "the prompt is empty");
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
+      throw std::invalid_argument(who + "token id " + std::to_string(tokens[i]) + " at position " +
+                                  std::to_string(i) + " is outside the vocabulary [0, " +
+                                  std::to_string(config_.vocab_size) + ")");
+  }
+  if (seq.limits.max_tokens < 1)
+    throw std::invalid_argument(who + "max_tokens must be at least 1, got " + std::to_string(seq.limits.max_tokens));
+  if (seq.limits.min_tokens < 0 || seq.limits.min_tokens > seq.limits.max_tokens)
+    throw std::invalid_argument(who + "min_tokens must be in [0, max_tokens], got " +
+                                std::to_string(seq.limits.min_tokens));
+  int len = seq.data.get_len();
+  if (len >= config_.max_model_len)
+    throw std::invalid_argument(who + "the prompt has " + std::to_string(len) +
+                                " tokens but the context length is " + std::to_string(config_.max_model_len) +
+                                ", which leaves no room to generate");
+  int need = ceil_div(len + 1, config_.block_size);
+  if (need > blocks_.num_usable_blocks())
+    throw std::invalid_argument(who + "the prompt needs " + std::to_string(need) +
+                                " KV cache blocks but the whole cache holds " +
+                                std::to_string(blocks_.num_usable_blocks()));
+  if (by_request_.count(seq.request_id))
+    throw std::invalid_argument(who + "a request with this id is already in the scheduler");
+}
+
+void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
+  validate(*seq);
+  seq->seq_id = next_seq_id_++;
+  seq->arrival_time = now_seconds();
+  seq->status = SequenceStatus::WAITING;
+  // Host-side capacity only; KV blocks are a scheduling decision made later.
+  int final_len = std::min(seq->data.get_len() + seq->limits.max_tokens, config_.max_model_len);
+  seq->data.reserve(final_len);
+  seq->block_table.reserve(ceil_div(final_len, config_.block_size));
+  waiting_.push_back(seq);
+  by_request_[seq->request_id] = seq;
+}
+
+std::shared_ptr<Sequence> Scheduler::get_sequence(const std::string &request_id) const {
+  auto it = by_request_.find(request_id);
+  return it == by_request_.end() ? nullptr : it->second;
+}
+
+void Scheduler::drop_finished() {
+  if (!has_finished_) return;
+  auto done = [](const std::shared_ptr<Sequence> &s) { return s->is_finished(); };
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), done), waiting_.end());
+  running_.erase(std::remove_if(running_.begin(), running_.end(), done), running_.end());
+  has_finished_ = false;
+}
+
+std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
+  pool_->release_all();
+  drop_finished();
+  auto out = std::make_shared<SchedulerOutput>();
+  out->step_id = ++step_id_;
+  out->block_size = config_.block_size;
+  out->query_start_loc.push_back(0);
+  if (!schedule_prefills(*out)) schedule_decodes(*out);
+  drop_finished();
+  finalize_batch(*out);
+  return out;
+}
+
+// A prefill batch: running sequences with a prompt still to compute (chunked prefill),
+// then FCFS admission from `waiting` while slots, budget and blocks allow.
+bool Scheduler::schedule_prefills(SchedulerOutput &out) {
+  out.is_prompt = true;
+  int budget = config_.max_num_batched_tokens;
+  for (const auto &seq : running_) {
+    if (budget <= 0) break;
+    int remaining = seq->num_uncomputed();
+    if (remaining <= 1 || seq->done_by_length(config_.max_model_len)) continue;  // decode-ready
+    int chunk = std::min(remaining, budget);
+    if (!blocks_.allocate_up_to(*seq, seq->num_computed + chunk)) continue;
+    add_to_batch(out, seq, chunk);
+    budget -= chunk;
+  }
+  admit_waiting(out, budget);
+  if (out.seqs.empty()) out.is_prompt = false;
+  return !out.seqs.empty();
+}
+
+bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
+  int active = 0;
+  for (const auto &s : running_) active += s->done_by_length(config_.max_model_len) ? 0 : 1;
+  bool admitted = false;
+  while (!waiting_.empty() && budget > 0 && active < config_.max_num_seqs) {
+    auto seq = waiting_.front();
+    if (seq->num_pending > 0) break;  // its newest token is still in flight; keep FCFS order
+    int total = seq->total_len();
+    if (ceil_div(total + 1, config_.block_size) > blocks_.num_usable_blocks()) {
+      finish(*seq, SequenceStatus::FINISHED_LENGTH);  // grew past what the whole cache holds
+      waiting_.pop_front();
+      continue;
+    }
+    int max_hit_blocks = (total - 1) / config_.block_size;  // always compute the last token
+    // Take the cached prefix now (it may consume free blocks), give it back if the rest won't fit.
+    int cached = blocks_.take_prefix(*seq, max_hit_blocks) * config_.block_size;
+    int chunk = std::min(total - cached, budget);
+    if (blocks_.blocks_needed(*seq, cached + chunk) > blocks_.num_free_blocks()) {
+      blocks_.free_sequence(*seq);
+      break;
+    }
+    waiting_.pop_front();
+    blocks_.allocate_up_to(*seq, cached + chunk);
+    seq->num_computed = seq->num_processed = cached;
+    if (seq->data.get_output_len() == 0) seq->num_cached_tokens = cached;
+    stats_.prefix_query_tokens += total;
+    stats_.prefix_hit_tokens += cached;
+    seq->status = SequenceStatus::RUNNING;
+    running_.push_back(seq);
+    add_to_batch(out, seq, chunk);
+    budget -= chunk;
+    ++active;
+    admitted = true;
+  }
+  return admitted;
+}
+
+// A decode batch: one token for every running sequence; when a block is short, preempt
+// the most recently admitted running sequence (possibly this one) by recompute.
+void Scheduler::schedule_decodes(SchedulerOutput &out) {
+  int budget = config_.max_num_batched_tokens;
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    auto seq = running_[i];
+    if (seq->is_finished() || seq->done_by_length(config_.max_model_len) || seq->num_uncomputed() != 1) continue;
+    bool scheduled = true;
+    while (!blocks_.allocate_up_to(*seq, seq->num_computed + 1)) {
+      auto victim = running_.back();
+      if (victim == seq && running_.size() == 1) {
+        finish(*seq, SequenceStatus::FINISHED_LENGTH);  // alone and still no room: the cache is full
+        scheduled = false;
+        break;
+      }
+      running_.pop_back();
+      preempt(victim);
+      if (victim == seq) {
+        scheduled = false;
+        break;
+      }
+    }
+    if (!scheduled) continue;
+    add_to_batch(out, seq, 1);
+    --budget;
+  }
+}
+
+void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
+  blocks_.free_sequence(*seq);
+  seq->num_computed = seq->num_processed = 0;
+  ++seq->epoch;
+  ++seq->num_preemptions;
+  ++stats_.num_preemptions;
+  seq->status = SequenceStatus::SWAPPED;
+  waiting_.push_front(seq);
+}
+
+void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens) {
+  const int bs = config_.block_size;
+  const auto &tokens = seq->data.get_token_ids();
+  const int len = seq->data.get_len();
+  const int start = seq->num_computed;
+  for (int p = start; p < start + num_tokens; ++p) {
+    if (p < len) {
+      out.input_ids.push_back(tokens[p]);
+      out.input_from_prev.push_back(-1);
+    } else {
+      // The token sampled by the previous (deferred, ZOS) step: the worker takes it from
+      // that step's sampled ids on the device.
+      if (p != len || seq->num_pending != 1 || seq->last_sample_step != step_id_ - 1)
+        throw std::logic_error("scheduler: in-flight input token not from the previous step");
+      out.input_ids.push_back(-1);
+      out.input_from_prev.push_back(seq->last_sample_row);
+      out.has_inflight_inputs = true;
+    }
+    out.positions.push_back(p);
+    out.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[p / bs]) * bs + p % bs);
+  }
+  seq->num_computed += num_tokens;
+  out.seqs.push_back(seq);
+  out.epochs.push_back(seq->epoch);
+  out.seq_ids.push_back(seq->seq_id);
+  out.query_start_loc.push_back(out.query_start_loc.back() + num_tokens);
+  out.seq_lens.push_back(seq->num_computed);
+  bool sample = seq->num_computed == seq->total_len();
+  out.samples.push_back(sample);
+  if (sample) {
+    int row = static_cast<int>(out.sample_indices.size());
+    out.sample_indices.push_back(static_cast<int64_t>(out.positions.size()) - 1);
+    out.sample_rows.push_back(row);
+    ++seq->num_pending;
+    seq->last_sample_row = row;
+    seq->last_sample_step = out.step_id;
+  } else {
+    out.sample_rows.push_back(-1);
+  }
+}
+
+void Scheduler::finalize_batch(SchedulerOutput &out) {
+  int max_blocks = 1;
+  for (const auto &s : out.seqs) max_blocks = std::max(max_blocks, static_cast<int>(s->block_table.size()));
+  out.max_blocks = max_blocks;
+  out.block_tables.assign(out.seqs.size() * max_blocks, BlockManager::kDummyBlock);
+  for (size_t i = 0; i < out.seqs.size(); ++i) {
+    const auto &bt = out.seqs[i]->block_table;
+    std::copy(bt.begin(), bt.end(), out.block_tables.begin() + i * max_blocks);
+  }
+}
+
+StepOutputs Scheduler::process_outputs(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens,
+                                       const float *logprobs) {
+  if (num_tokens != out.sample_indices.size())
+    throw std::invalid_argument("process_outputs: got " + std::to_string(num_tokens) + " sampled tokens for " +
+                                std::to_string(out.sample_indices.size()) + " sample rows");
+  size_t begin = pool_->size();
+  for (size_t i = 0; i < out.seqs.size(); ++i) {
+    Sequence &seq = *out.seqs[i];
+    if (seq.is_finished()) continue;  // finished or aborted meanwhile: a ZOS step ran one token too many
+    if (out.epochs[i] == seq.epoch) {
+      int query_len = out.query_start_loc[i + 1] - out.query_start_loc[i];
+      if (out.is_prompt) stats_.prompt_tokens += query_len;
+      seq.num_processed = std::max(seq.num_processed, out.seq_lens[i]);
+      blocks_.register_full_blocks(seq);
+    }
+    if (!out.samples[i]) continue;
+    int row = out.sample_rows[i];
+    auto token = static_cast<int32_t>(tokens[row]);
+    --seq.num_pending;
+    seq.data.append_token_id(token);
+    ++stats_.generation_tokens;
+    bool stopped = check_stop(seq, token);
+
+    RequestOutputData &o = pool_->at(pool_->acquire());
+    o.request_id = seq.request_id;
+    o.seq_id = seq.seq_id;
+    o.token_ids.push_back(token);
+    o.finished = stopped;
+    o.status = stopped ? seq.status : SequenceStatus::RUNNING;
+    o.prompt_len = seq.data.get_prompt_len();
+    o.output_len = seq.data.get_output_len();
+    if (logprobs) {
+      o.logprob = logprobs[row];
+      o.has_logprob = true;
+    }
+    if (stopped) finish(seq, seq.status);
+  }
+  drop_finished();
+  return StepOutputs(pool_, begin, pool_->size());
+}
+
+// Sets the finished status and returns true when `token` ends the sequence.
+bool Scheduler::check_stop(Sequence &seq, int32_t token) const {
+  const SequenceLimits &lim = seq.limits;
+  int out_len = seq.data.get_output_len();
+  if (out_len >= lim.min_tokens) {
+    bool is_stop = (!lim.ignore_eos && token == lim.eos_token_id) ||
+                   std::find(lim.stop_token_ids.begin(), lim.stop_token_ids.end(), token) != lim.stop_token_ids.end();
+    if (is_stop) {
+      seq.status = SequenceStatus::FINISHED_STOPPED;
+      return true;
+    }
+  }
+  if (out_len >= lim.max_tokens || seq.data.get_len() >= config_.max_model_len) {
+    seq.status = SequenceStatus::FINISHED_LENGTH;
+    return true;
+  }
+  return false;
+}
+
+void Scheduler::finish(Sequence &seq, SequenceStatus status) {
+  seq.status = status;
+  blocks_.free_sequence(seq);
+  by_request_.erase(seq.request_id);
+  has_finished_ = true;
+}
+
+bool Scheduler::abort(const std::string &request_id) {
+  auto it = by_request_.find(request_id);
+  if (it == by_request_.end()) return false;
+  std::shared_ptr<Sequence> seq = it->second;  // keep it alive while finish() unmaps it
+  finish(*seq, SequenceStatus::FINISHED_ABORTED);
+  drop_finished();
+  return true;
+}
+
+std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out) {
+  std::vector<SequenceMetadata> md;
+  md.reserve(out.seqs.size());
+  for (size_t i = 0; i < out.seqs.size(); ++i) {
+    const Sequence &s = *out.seqs[i];
+    const int32_t *bt = out.block_tables.data() + i * out.max_blocks;
+    int nb = std::min(out.max_blocks, (out.seq_lens[i] + out.block_size - 1) / out.block_size);
+    md.push_back({s.request_id, s.seq_id, out.is_prompt, s.data.get_token_ids(),
+                  std::vector<int32_t>(bt, bt + nb), out.query_start_loc[i + 1] - out.query_start_loc[i],
+                  out.seq_lens[i], static_cast<bool>(out.samples[i])});
+  }
+  return md;
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,126 @@
+// Continuous-batching scheduler: FCFS admission into a prefill batch or a decode batch,
+// chunked prefill under a token budget, preemption by recompute, and post-processing
+// that appends sampled tokens and applies the stop rules.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "block_manager.h"
+#include "request_output.h"
+#include "sequence.h"
+
+namespace deepinfer {
+
+struct SchedulerConfig {
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 2048;
+  int block_size = 16;
+  int num_blocks = 1024;  // including the dummy block 0
+  int max_model_len = 2048;
+  int vocab_size = 32000;
+  bool enable_prefix_caching = true;
+};
+
+// One step's batch: the selected sequences plus the flat arrays the worker feeds the
+// model. Tokens are flattened sequence by sequence.
+struct SchedulerOutput {
+  int64_t step_id = 0;
+  bool is_prompt = false;
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  std::vector<int> epochs;     // per sequence, at schedule time
+  std::vector<char> samples;   // per sequence: does this step sample a token for it
+  std::vector<int> sample_rows;  // per sequence: its row in the sampled tokens, or -1
+
+  std::vector<int64_t> seq_ids;          // [S]
+  std::vector<int64_t> input_ids;        // [T]; -1 where the token is still in flight
+  std::vector<int32_t> input_from_prev;  // [T]; previous step's sample row for in-flight tokens, else -1
+  std::vector<int64_t> positions;        // [T]
+  std::vector<int64_t> slot_mapping;     // [T]
+  std::vector<int32_t> query_start_loc;  // [S + 1]
+  std::vector<int32_t> seq_lens;         // [S] context length after this step
+  std::vector<int32_t> block_tables;     // [S, max_blocks] row-major, padded with block 0
+  int max_blocks = 0;
+  int block_size = 0;
+  std::vector<int64_t> sample_indices;   // [N] token rows whose logits are sampled
+  bool has_inflight_inputs = false;
+
+  int num_seqs() const { return static_cast<int>(seqs.size()); }
+  int num_tokens() const { return static_cast<int>(positions.size()); }
+  int num_samples() const { return static_cast<int>(sample_indices.size()); }
+  bool is_empty() const { return seqs.empty(); }
+};
+
+// Per-sequence view of a batch, for tests and debugging (the worker reads the flat arrays).
+struct SequenceMetadata {
+  std::string request_id;
+  int64_t seq_id;
+  bool is_prompt;
+  std::vector<int32_t> token_ids;  // the history at schedule time
+  std::vector<int32_t> block_table;
+  int seqlen_q;  // tokens fed this step
+  int seqlen_k;  // context length after this step
+  bool do_sample;
+};
+std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out);
+
+struct SchedulerStats {
+  int64_t num_preemptions = 0;
+  int64_t prefix_query_tokens = 0;  // prompt tokens looked up in the prefix cache
+  int64_t prefix_hit_tokens = 0;    // of which served from it
+  int64_t prompt_tokens = 0;        // prompt positions computed
+  int64_t generation_tokens = 0;    // tokens appended by post-processing
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig &config);
+
+  // Admission only: validates, reserves host-side capacity and enqueues in `waiting`.
+  void add_sequence(const std::shared_ptr<Sequence> &seq);
+  std::shared_ptr<SchedulerOutput> schedule();
+  // Appends sampled tokens (`tokens[i]` for sample row i), advances the processed
+  // boundary, applies stop rules, frees finished sequences' blocks.
+  StepOutputs process_outputs(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens,
+                              const float *logprobs);
+  bool abort(const std::string &request_id);
+  void release_outputs() { pool_->release_all(); }
+
+  bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
+  size_t num_waiting() const { return waiting_.size(); }
+  size_t num_running() const { return running_.size(); }
+  std::shared_ptr<Sequence> get_sequence(const std::string &request_id) const;
+  const SchedulerConfig &config() const { return config_; }
+  const BlockManager &block_manager() const { return blocks_; }
+  const SchedulerStats &stats() const { return stats_; }
+  int64_t step_id() const { return step_id_; }
+
+ private:
+  void validate(const Sequence &seq) const;
+  void drop_finished();
+  bool schedule_prefills(SchedulerOutput &out);
+  void schedule_decodes(SchedulerOutput &out);
+  bool admit_waiting(SchedulerOutput &out, int &budget);
+  void preempt(const std::shared_ptr<Sequence> &seq);
+  void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens);
+  void finalize_batch(SchedulerOutput &out);
+  void finish(Sequence &seq, SequenceStatus status);
+  bool check_stop(Sequence &seq, int32_t token) const;
+
+  SchedulerConfig config_;
+  BlockManager blocks_;
+  std::deque<std::shared_ptr<Sequence>> waiting_;
+  std::deque<std::shared_ptr<Sequence>> running_;
+  std::unordered_map<std::string, std::shared_ptr<Sequence>> by_request_;
+  std::shared_ptr<RequestOutputPool> pool_;
+  SchedulerStats stats_;
+  int64_t step_id_ = 0;
+  int64_t next_seq_id_ = 1;
+  bool has_finished_ = false;  // some queued sequence finished: compact the queues
+};
+
+}  // namespace deepinfer
