@@ -16,13 +16,12 @@ using namespace deepinfer;
 
 namespace {
 
-// A read-only NumPy view of `v` whose lifetime is tied to `owner`.
+// A NumPy view of `v` whose lifetime is tied to `owner`. It stays writable so that
+// torch.from_numpy can wrap it without a copy; the step's arrays are the worker's to use.
 template <typename T>
 py::array view(const std::vector<T> &v, py::handle owner, std::vector<py::ssize_t> shape = {}) {
   if (shape.empty()) shape = {static_cast<py::ssize_t>(v.size())};
-  py::array_t<T> a(shape, v.data(), owner);
-  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  return std::move(a);
+  return py::array_t<T>(shape, v.data(), owner);
 }
 
 py::object logprob_or_none(const RequestOutputData &d) {
@@ -104,6 +103,8 @@ void bind_outputs(py::module_ &m) {
       .def_property_readonly("is_valid", &RequestOutput::is_valid)
       .def_property_readonly("is_pooled", &RequestOutput::is_pooled)
       .def("clone", &RequestOutput::clone, "An owned copy that stays valid after the pool is released.")
+      .def("clone_finished", &RequestOutput::clone_finished, py::arg("status"),
+           "An owned copy marked finished with `status` (e.g. a stop string matched).")
       .def("__repr__", [](const RequestOutput &o) {
         if (!o.is_valid()) return std::string("RequestOutput(<released>)");
         const auto &d = o.data();
@@ -208,6 +209,7 @@ void bind_scheduler(py::module_ &m) {
           },
           py::arg("scheduler_output"), py::arg("sampled_token_ids"), py::arg("logprobs") = py::none())
       .def("abort", &Scheduler::abort, py::arg("request_id"))
+      .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("status"))
       .def("release_outputs", &Scheduler::release_outputs)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))

@@ -37,6 +37,13 @@ RequestOutput RequestOutput::clone() const {
   return RequestOutput(std::make_shared<RequestOutputData>(data()));
 }
 
+RequestOutput RequestOutput::clone_finished(SequenceStatus status) const {
+  auto copy = std::make_shared<RequestOutputData>(data());
+  copy->finished = true;
+  copy->status = status;
+  return RequestOutput(std::move(copy));
+}
+
 StepOutputs::StepOutputs(std::shared_ptr<RequestOutputPool> pool, size_t begin, size_t end)
     : pool_(std::move(pool)), begin_(begin), end_(end), generation_(pool_->generation()) {}
 

@@ -56,6 +56,7 @@ class RequestOutput {
   bool is_valid() const;
   bool is_pooled() const { return owned_ == nullptr; }
   RequestOutput clone() const;
+  RequestOutput clone_finished(SequenceStatus status) const;
 
  private:
   std::shared_ptr<RequestOutputPool> pool_;

@@ -308,10 +308,15 @@ void Scheduler::finish(Sequence &seq, SequenceStatus status) {
 }
 
 bool Scheduler::abort(const std::string &request_id) {
+  return finish_request(request_id, SequenceStatus::FINISHED_ABORTED);
+}
+
+bool Scheduler::finish_request(const std::string &request_id, SequenceStatus status) {
+  if (!is_finished_status(status)) throw std::invalid_argument("finish_request: status must be a finished one");
   auto it = by_request_.find(request_id);
   if (it == by_request_.end()) return false;
   std::shared_ptr<Sequence> seq = it->second;  // keep it alive while finish() unmaps it
-  finish(*seq, SequenceStatus::FINISHED_ABORTED);
+  finish(*seq, status);
   drop_finished();
   return true;
 }

@@ -88,6 +88,8 @@ class Scheduler {
   StepOutputs process_outputs(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens,
                               const float *logprobs);
   bool abort(const std::string &request_id);
+  // Ends a request for a reason found outside the scheduler (a stop string); frees its blocks.
+  bool finish_request(const std::string &request_id, SequenceStatus status);
   void release_outputs() { pool_->release_all(); }
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }

@@ -1,0 +1,132 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and ranges.
+
+Validation happens once, at construction: the engine and the sampler trust a
+`SamplingParams` that exists. Every bad value raises `ValueError` naming the
+field and the range it must lie in, so a client sees what to fix.
+"""
+
+import copy
+import math
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy: dividing logits by ~0
+# overflows to inf/NaN, and the argmax is what the user meant anyway.
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # 0: chosen token only; k > 0: also the top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Normalize first so the rest of the engine sees plain lists.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError for the first field outside its allowed range."""
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0.0:
+            _fail("temperature", "must be >= 0", self.temperature)
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", "must be in (0, 1]", self.top_p)
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            _fail("top_k", "must be -1 or 0 (off) or >= 1", self.top_k)
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", "must be in [0, 1]", self.min_p)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                _fail(name, "must be in [-2, 2]", value)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
+        self._verify_lengths()
+        self._verify_stops()
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                _fail("logprobs", "must be None or >= 0", self.logprobs)
+        _check_int("n", self.n)
+        if self.n < 1:
+            _fail("n", "must be >= 1", self.n)
+
+    def _verify_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                _fail("max_tokens", "must be None or >= 1", self.max_tokens)
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            _fail("min_tokens", "must be >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens})",
+                self.min_tokens,
+            )
+
+    def _verify_stops(self) -> None:
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _fail("stop", "must hold non-empty strings only", s)
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                _fail("stop_token_ids", "must hold integers >= 0 only", t)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_history(self) -> bool:
+        """True when a penalty needs the prompt/output token ids."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self) -> "SamplingParams":
+        # Deep copy: the stop lists must not be shared between requests.
+        return copy.deepcopy(self)
+
+
+def _fail(name: str, rule: str, value: object) -> None:
+    raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, "must be a number", value)
+    if math.isnan(value):  # NaN passes every range comparison, so reject it here
+        _fail(name, "must not be NaN", value)
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, "must be an integer", value)
