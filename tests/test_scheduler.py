@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fake_model import FakeModel, add, make_scheduler, run
 
 from deepinfer_dp import _C
-from fake_model import FakeModel, add, make_scheduler, run
 
 
 def fresh(**kw):

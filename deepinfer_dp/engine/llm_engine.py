@@ -1,0 +1,199 @@
+"""One rank's engine: admits requests into the C++ scheduler and runs the step loop.
+
+step() = schedule (C++) -> Worker.execute_model_step (the four phases) -> the outputs
+ready now. Outputs are pooled: valid until the next step() or flush_inflight_reqs();
+keep one with clone().
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from deepinfer_dp import _C
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.engine.stop_strings import StopStringChecker
+from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
+from deepinfer_dp.models import load_model, max_context_len
+from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.worker.model_runner import ModelRunner, num_kv_blocks_for
+from deepinfer_dp.worker.worker import StepState, Worker
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+@dataclass
+class RequestState:
+    """What the engine keeps beside the C++ sequence: how to sample, when to stop on text."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+    stop_checker: StopStringChecker | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, lockstep=None) -> None:
+        """`lockstep` (a DP vote, see deepinfer_dp.distributed) makes has_unfinished_requests
+        answer for every rank of the data-parallel group; None serves one rank alone."""
+        self.config = config
+        threads = config.resolved_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(config.seed)
+        self.device = config.torch_device()
+        loaded = load_model(config.model, config.torch_dtype(), self.device)
+        self.hf_config = loaded.hf_config
+        self.model_dir = loaded.model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+        self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
+        self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
+        self.vocab_size = self.hf_config.vocab_size
+        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype())
+        self.scheduler = _C.Scheduler(_C.SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
+        self.worker = Worker(ModelRunner(config, loaded, num_blocks), self, config.zos)
+        self.lockstep = lockstep
+        self.requests: dict[str, RequestState] = {}
+        self._finished: list[str] = []
+        self._num_special = 0  # live requests needing more than plain greedy sampling
+        self._counter = itertools.count()
+        self.generate_step = 0
+        self.placeholder_steps = 0
+
+    # ---- admission ---------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        """Tokenizes if needed, gives the next integer id, validates and enqueues. No model
+        work. Bad input raises ValueError naming the request; nothing else is touched."""
+        params = (sampling_params or SamplingParams()).clone()
+        if params.n != 1:
+            raise ValueError("LLMEngine.add_request takes n=1; LLM.generate and the server expand n")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("add_request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        ids = [int(t) for t in prompt_token_ids]
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += self.eos_token_ids[1:]  # further EOS ids of the generation config
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
+        limits = _C.SequenceLimits(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=stop_ids,
+                                   eos_token_id=-1 if eos is None else eos, ignore_eos=params.ignore_eos)
+        self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))
+        checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
+                   if params.stop else None)
+        state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
+        self.requests[request_id] = state
+        self._num_special += _is_special(state)
+        return request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
+        """Aborts the given requests and frees their KV blocks; returns the ids it found."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        found = [rid for rid in ids if self.scheduler.abort(str(rid))]
+        for rid in found:
+            self._forget(str(rid))
+        return found
+
+    # ---- the step loop -----------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        """Local queues non-empty, combined with MAX over the DP group when there is one, so
+        every rank keeps stepping until the last rank is done."""
+        local = self.scheduler.has_unfinished_seqs()
+        return local if self.lockstep is None else self.lockstep.vote(local)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    def step(self) -> list:
+        self._drop_finished_states()
+        sched_out = self.scheduler.schedule()  # also releases the previous step's outputs
+        if sched_out.is_empty():
+            self.placeholder_steps += 1
+        outputs = self.worker.execute_model_step(sched_out)
+        self.generate_step += 1
+        return outputs
+
+    def flush_inflight_reqs(self) -> list:
+        """Post-processes the decode step that ZOS kept in flight."""
+        self.scheduler.release_outputs()
+        return self.worker.flush_inflight_reqs()
+
+    # ---- call-backs of the worker ------------------------------------------------------
+    def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None:
+        if self._num_special == 0:
+            return None
+        rids = sched_out.sample_request_ids
+        states = [self.requests[r] for r in rids]
+        params = [s.params for s in states]
+        seqs = [self.scheduler.get_sequence(r) for r in rids]
+        history = any(p.needs_history for p in params)
+        outputs = [s.data.get_output_token_ids() if s else [] for s in seqs] if history else None
+        prompts = ([s.data.get_token_ids()[: s.data.get_prompt_len()] if s else [] for s in seqs]
+                   if history else None)
+        return SamplingBatch.build(
+            params, [s.generator for s in states], prompts, outputs,
+            [s.data.get_output_len() if s else 0 for s in seqs], [s.eos_token_id for s in states],
+            vocab_size, self.device)
+
+    def post_process(self, state: StepState) -> list:
+        """Appends the sampled tokens in C++ (stop rules, freeing finished blocks) and
+        returns the step's pooled outputs."""
+        tokens, logprobs = state.tokens_and_logprobs()
+        outputs = list(self.scheduler.process_outputs(state.sched_out, tokens, logprobs))
+        for i, out in enumerate(outputs):
+            req = self.requests[out.request_id]
+            if req.stop_checker is not None and not out.finished and req.stop_checker.append(out.token_ids):
+                self.scheduler.finish_request(out.request_id, _C.SequenceStatus.FINISHED_STOPPED)
+                outputs[i] = out = out.clone_finished(_C.SequenceStatus.FINISHED_STOPPED)
+            if out.finished:
+                self._finished.append(out.request_id)
+        return outputs
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _drop_finished_states(self) -> None:
+        # Kept one step longer: a ZOS step may still sample for a request that just ended.
+        for rid in self._finished:
+            self._forget(rid)
+        self._finished.clear()
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._num_special -= _is_special(state)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+                "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
+                "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps, **s.stats}
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _is_special(state: RequestState) -> bool:
+    p = state.params
+    return not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """EOS ids: the generation config's (possibly several) first, then the tokenizer's."""
+    ids: list[int] = []
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,122 @@
+"""The offline API: LLM.generate and LLM.chat over one engine (or DP ranks, dp_size > 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from deepinfer_dp import _C
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.engine.llm_engine import LLMEngine
+from deepinfer_dp.engine.stop_strings import truncate_at_stop
+from deepinfer_dp.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None)` serves the default SmolLM2-135M-Instruct; `model` may be a Hugging
+    Face directory or a .gguf file; other keywords are EngineConfig options."""
+
+    def __init__(self, model: str | None = None, decode_sequence: bool = True, **engine_options) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.decode_sequence = decode_sequence
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list:
+        """One result per prompt, in prompt order: text (decode_sequence=True) or the list of
+        cloned RequestOutputs (one per token). With n > 1 a result is a list of n of those."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate needs prompts or prompt_token_ids")
+        num = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != num:
+            raise ValueError(f"got {num} prompts but {len(prompt_token_ids)} prompt_token_ids")
+        params = _per_prompt_params(sampling_params, num)
+        owners = self._add_requests(prompts, prompt_token_ids, params)
+        outputs = self._run_engine(use_tqdm, len(owners))
+        return self._collect(outputs, owners, params, num)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.llm_engine.tokenizer
+        ids = [_as_ids(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True))
+               for conv in conversations]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams]) -> dict[str, int]:
+        """Adds every request before any model work; maps request id -> prompt index.
+        A bad prompt raises ValueError naming its index, and the ones already added are
+        aborted, so nothing is left half-submitted."""
+        owners: dict[str, int] = {}
+        try:
+            for i, p in enumerate(params):
+                for _ in range(p.n):
+                    single = p.clone()
+                    single.n = 1
+                    rid = self.llm_engine.add_request(
+                        None if prompts is None else prompts[i], single,
+                        None if prompt_token_ids is None else prompt_token_ids[i])
+                    owners[rid] = i
+        except ValueError as e:
+            self.llm_engine.abort_request(list(owners))
+            raise ValueError(f"prompt {i}: {e}") from e
+        return owners
+
+    def _run_engine(self, use_tqdm: bool, num_requests: int) -> dict[str, list]:
+        engine = self.llm_engine
+        pbar = tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm)
+        outputs: dict[str, list] = {}
+        while True:
+            unfinished = engine.has_unfinished_requests()
+            step_outputs = engine.step() if unfinished else engine.flush_inflight_reqs()
+            for raw in step_outputs:
+                # Clone now: pooled outputs are released by the next step.
+                out = raw.clone()
+                outputs.setdefault(out.request_id, []).append(out)
+                if out.finished:
+                    pbar.update(1)
+            if not unfinished:
+                break
+        pbar.close()
+        return outputs
+
+    def _collect(self, outputs: dict[str, list], owners: dict[str, int], params: list[SamplingParams],
+                 num: int) -> list:
+        results: list[list] = [[] for _ in range(num)]
+        for rid in sorted(owners, key=int):
+            outs = outputs.get(rid, [])
+            if not outs or not outs[-1].finished:
+                raise RuntimeError(f"request {rid} ended without a finished output")  # never silently short
+            i = owners[rid]
+            results[i].append(self._decode(outs, params[i]) if self.decode_sequence else outs)
+        return [r[0] if params[i].n == 1 else r for i, r in enumerate(results)]
+
+    def _decode(self, outs: list, params: SamplingParams) -> str:
+        ids = [t for o in outs for t in o.token_ids]
+        text = self.llm_engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if params.stop and outs[-1].status == _C.SequenceStatus.FINISHED_STOPPED:
+            text = truncate_at_stop(text, params.stop, params.include_stop_str_in_output)
+        return text
+
+
+def _per_prompt_params(sampling_params, num: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num
+    if len(sampling_params) != num:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts")
+    return list(sampling_params)
+
+
+def _as_ids(encoded) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
+    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)

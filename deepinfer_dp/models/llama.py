@@ -1,0 +1,248 @@
+"""Llama-family decoder on a paged KV cache: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+
+The families differ only in small switches read from the config: q/k/v bias (Qwen2),
+per-head q/k RMSNorm before RoPE (Qwen3), tied embeddings, rope scaling. The q/k/v and
+gate/up projections are fused into one Linear each at load time (one matmul instead of
+three or two); load_weights takes Hugging Face names and slices them in.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
+from deepinfer_dp.layers.norm import RMSNorm
+from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_supported(config) -> None:
+    """Raises ValueError naming the architecture when this model can't serve it."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = getattr(config, "architectures", None) or [model_type]
+        raise ValueError(f"unsupported model architecture {archs[0]!r} (model_type "
+                         f"{model_type!r}); supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def num_layers(config) -> int:
+    return config.num_hidden_layers
+
+
+def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (and of its V) cache tensor."""
+    return (num_blocks, block_size, num_kv_heads(config), head_dim(config))
+
+
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V: for sizing the cache to memory."""
+    per_layer = block_size * num_kv_heads(config) * head_dim(config) * dtype.itemsize
+    return 2 * num_layers(config) * per_layer
+
+
+def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = kv_cache_shape(config, num_blocks, block_size)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers(config))]
+
+
+def max_context_len(config) -> int:
+    """Longest context this model computes exactly like transformers: its position limit,
+    and its sliding window where one is in use (we attend over the whole context)."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if window and uses_window:
+        limit = min(limit, window)
+    return limit
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, context: ForwardContext):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads(config)
+        self.head_dim = head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Qwen2 always has q/k/v bias (and none on o_proj); Llama/Qwen3 use attention_bias
+        # for all four projections.
+        qwen2 = config.model_type == "qwen2"
+        attention_bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=qwen2 or attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=attention_bias and not qwen2)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                          rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5, context)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3 normalizes each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, context: ForwardContext):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, context)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, context: ForwardContext):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, context)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+# HF name of a separate projection -> (our fused parameter, shard index).
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_supported(config)
+        self.config = config
+        self.context = ForwardContext()
+        self.model = LlamaModel(config, self.context)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(layers)} layers")
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+            layer.self_attn.attn.k_cache = k_cache
+            layer.self_attn.attn.v_cache = v_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the flattened tokens of this step."""
+        self.context.attn_metadata = attn_metadata
+        try:
+            return self.model(input_ids, positions)
+        finally:
+            self.context.attn_metadata = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face-named tensors in; raises ValueError naming missing weights."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed, never trained
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints still store it: same values as the embedding
+            target, shard = _our_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            _copy_shard(name, params[target], tensor, shard, self._shard_sizes(target))
+            loaded.add(name if shard is None else f"{target}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        if "qkv_proj" in target:
+            attn = self.model.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        if "lm_head.weight" not in loaded and not self.tie_word_embeddings:
+            # A checkpoint without lm_head shares the embedding (tied in all but the config).
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.tie_word_embeddings = True
+            loaded.add("lm_head.weight")
+        missing = []
+        for name, param in params.items():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if any(f in name for f in ("qkv_proj", "gate_up_proj")):
+                n = 3 if "qkv_proj" in name else 2
+                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None]:
+    for proj, (fused, shard) in _FUSED.items():
+        if f".{proj}." in hf_name:
+            return hf_name.replace(proj, fused), shard
+    return hf_name, None
+
+
+def _copy_shard(name: str, param: nn.Parameter, tensor: torch.Tensor, shard: int | None,
+                sizes: list[int]) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dst = param
+        else:
+            dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(dst.shape)}")
+        dst.copy_(tensor)

@@ -1,0 +1,99 @@
+"""Load a model for serving: a Hugging Face directory, a .gguf file, or the default model.
+
+GGUF files (the default model is one) are converted once into a Hugging Face-style cache
+directory (see default_model.py); from then on every load reads safetensors, which is fast.
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from deepinfer_dp.models.default_model import convert_gguf, default_model_path
+from deepinfer_dp.models.llama import LlamaForCausalLM, check_supported
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # eval mode, on the requested device and dtype
+    hf_config: PretrainedConfig
+    tokenizer_dir: str  # AutoTokenizer.from_pretrained(tokenizer_dir) works offline
+    model_dir: str  # a Hugging Face directory: AutoModelForCausalLM can load it too
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """The Hugging Face directory to load `model` from, converting a GGUF file if needed."""
+    if model is None:
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file "
+                             "or a Hugging Face model directory")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return path
+
+
+def load_hf_config(model_dir: str | os.PathLike) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(model_dir)
+    check_supported(config)
+    return config
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shard files, from the index when the checkpoint is sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
+    return files
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files."""
+    for file in safetensors_files(model_dir):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(config: PretrainedConfig, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """An uninitialized model on `device`: built on the meta device so that no time goes
+    into random initialization that the checkpoint overwrites anyway."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    if model.tie_word_embeddings:  # to_empty breaks the sharing; restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype)
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
+               device: torch.device | str) -> LoadedModel:
+    """Loads `model` (HF directory, .gguf file, or None for the default model)."""
+    model_dir = resolve_model_dir(model)
+    config = load_hf_config(model_dir)
+    device = torch.device(device)
+    net = build_model(config, dtype, device)
+    net.load_weights(iterate_weights(model_dir))
+    net.eval()
+    return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
+                       model_dir=str(model_dir))

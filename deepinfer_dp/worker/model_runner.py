@@ -1,0 +1,94 @@
+"""Turns a scheduler batch into model inputs on the device, runs the forward pass and
+returns the logits of the rows that sample. Owns the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer_dp import _C
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn_metadata: AttentionMetadata
+    sample_indices: torch.Tensor | None  # int64 [N]; None for the placeholder step
+
+
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+    """Blocks in the KV cache: as configured, or as many as kv_cache_memory_gb holds."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
+    return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
+        self.model = loaded.model
+        self.device = config.torch_device()
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        dtype = next(self.model.parameters()).dtype
+        self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
+        self.model.bind_kv_cache(self.kv_caches)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        # Zero-copy over the scheduler's buffer on CPU; one host-to-device copy on CUDA.
+        t = torch.from_numpy(array)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def prepare(self, out: _C.SchedulerOutput, prev_tokens: torch.Tensor | None) -> ModelInput:
+        input_ids = self._tensor(out.input_ids)
+        if out.has_inflight_inputs:
+            # Tokens the previous (deferred) step sampled and nobody has read on the host yet.
+            src = self._tensor(out.input_from_prev).long()
+            inflight = src >= 0
+            input_ids = torch.where(inflight, prev_tokens[src.clamp(min=0)], input_ids)
+        qsl = out.query_start_loc
+        seq_lens = out.seq_lens
+        query_lens = np.diff(qsl)
+        md = AttentionMetadata(
+            is_prefill=out.is_prompt,
+            slot_mapping=self._tensor(out.slot_mapping),
+            block_tables=self._tensor(out.block_tables),
+            query_start_loc=self._tensor(qsl),
+            seq_lens=self._tensor(seq_lens),
+            query_lens_host=query_lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return ModelInput(input_ids, self._tensor(out.positions), md, self._tensor(out.sample_indices))
+
+    def placeholder_input(self) -> ModelInput:
+        """One dummy token at position 0 in the reserved block 0: the same forward pass as a
+        real step, so collectives inside the model match across DP ranks."""
+        one = torch.zeros(1, dtype=torch.int64, device=self.device)
+        md = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=one.clone(),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device),
+            query_lens_host=[1],
+            seq_lens_host=[1],
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return ModelInput(one, one.clone(), md, None)
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""
+        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        if inp.sample_indices is None or inp.sample_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[inp.sample_indices])

@@ -1,0 +1,124 @@
+"""The device worker: every step goes through the seed's four phases.
+
+  1. Forward current step (in the background: a thread on CPU, async kernels on CUDA)
+  2. Post-process previous step (host work that overlaps the forward)
+  3. Sample current step
+  4. Post-process current step: in place for prefill, placeholder or ZOS-off steps; a ZOS
+     decode step is kept in `prev_step_state` and post-processed during the next step.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from deepinfer_dp import _C
+from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from deepinfer_dp.worker.model_runner import ModelRunner
+
+
+@dataclass
+class StepState:
+    """One executed step whose sampled tokens the host has not consumed yet."""
+
+    sched_out: _C.SchedulerOutput
+    sampled: SamplerOutput | None  # None: nothing sampled (placeholder, mid-prompt chunks)
+    host_tokens: torch.Tensor | None = None  # CUDA: pinned copy, ready once `event` fires
+    host_logprobs: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def tokens_and_logprobs(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.sampled is None:
+            return np.empty(0, dtype=np.int64), None
+        if self.event is not None:
+            self.event.synchronize()  # waits for this step's sampling only, not later work
+        tokens = self.host_tokens if self.host_tokens is not None else self.sampled.token_ids
+        logprobs = self.host_logprobs if self.host_logprobs is not None else self.sampled.logprobs
+        return tokens.cpu().numpy(), None if logprobs is None else logprobs.cpu().numpy()
+
+
+class StepHost(Protocol):
+    """What the worker needs from its engine (the seed's two call-backs)."""
+
+    def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None: ...
+
+    def post_process(self, state: StepState) -> list: ...
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, host: StepHost, zos: bool) -> None:
+        self.runner = runner
+        self.host = host
+        self.zos = zos
+        self.sampler = Sampler()
+        self.prev_step_state: StepState | None = None
+        self.on_cuda = runner.device.type == "cuda"
+        # torch releases the GIL inside its kernels, so a forward on this thread really
+        # runs while the host thread post-processes the previous step.
+        self._forward_thread = None if self.on_cuda else ThreadPoolExecutor(1, thread_name_prefix="forward")
+
+    def execute_model_step(self, sched_out: _C.SchedulerOutput) -> list:
+        placeholder = sched_out.is_empty()
+        prev = self.prev_step_state
+        prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
+        if placeholder:
+            model_input = self.runner.placeholder_input()
+        else:
+            model_input = self.runner.prepare(sched_out, prev_tokens)
+        # 1. Forward current step
+        pending = self._launch_forward(model_input)
+        # 2. Post-process previous step
+        self.prev_step_state = None
+        outputs = self._post_process_step(prev)
+        # 3. Sample current step
+        logits = pending.result() if isinstance(pending, Future) else pending
+        curr = StepState(sched_out, self._sample(sched_out, logits))
+        # 4. Post-process current step, now or (ZOS decode) during the next step
+        if sched_out.is_prompt or placeholder or not self.zos:
+            outputs.extend(self._post_process_step(curr))
+        else:
+            self._stage_to_host(curr)
+            self.prev_step_state = curr
+        return outputs
+
+    def flush_inflight_reqs(self) -> list:
+        """Post-processes the step ZOS kept back; every step loop calls this once at the end."""
+        state, self.prev_step_state = self.prev_step_state, None
+        return self._post_process_step(state)
+
+    def _launch_forward(self, model_input) -> Future | torch.Tensor | None:
+        if self._forward_thread is None:
+            return self.runner.forward(model_input)  # CUDA kernels are queued, not waited for
+        return self._forward_thread.submit(self.runner.forward, model_input)
+
+    def _sample(self, sched_out: _C.SchedulerOutput, logits: torch.Tensor | None) -> SamplerOutput | None:
+        if logits is None:
+            return None
+        batch = self.host.sampling_batch(sched_out, logits.shape[-1])
+        if batch is None:  # every row greedy and plain: the hot path
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+        return self.sampler(logits, batch)
+
+    def _stage_to_host(self, state: StepState) -> None:
+        """CUDA: start the copy of the sampled ids to pinned host memory and mark it with an
+        event, so the next step can read them without waiting for its own forward."""
+        if not self.on_cuda or state.sampled is None:
+            return
+        state.host_tokens = state.sampled.token_ids.to("cpu", non_blocking=True)
+        if state.sampled.logprobs is not None:
+            state.host_logprobs = state.sampled.logprobs.to("cpu", non_blocking=True)
+        state.event = torch.cuda.Event()
+        state.event.record()
+
+    def _post_process_step(self, state: StepState | None) -> list:
+        if state is None:
+            return []
+        return self.host.post_process(state)
+
+    def shutdown(self) -> None:
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
