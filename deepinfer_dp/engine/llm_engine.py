@@ -53,7 +53,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
-        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype())
+        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.distributed.groups import torchrun_env
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.stop_strings import truncate_at_stop
 from deepinfer_dp.sampling_params import SamplingParams
@@ -17,9 +18,31 @@ class LLM:
     """`LLM(model=None)` serves the default SmolLM2-135M-Instruct; `model` may be a Hugging
     Face directory or a .gguf file; other keywords are EngineConfig options."""
 
-    def __init__(self, model: str | None = None, decode_sequence: bool = True, **engine_options) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+    def __init__(self, model: str | None = None, decode_sequence: bool = True, dp_options: dict | None = None,
+                 **engine_options) -> None:
+        """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`:
+        policy, address, strategy, collective_timeout_s; see cluster/offline.py). Under
+        torchrun, each process is one DP rank and calls generate on its own shard."""
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.decode_sequence = decode_sequence
+        self._dp = None
+        if torchrun_env() is not None:
+            from deepinfer_dp.cluster.torchrun import build_torchrun_engine
+            self.llm_engine, self._dp = build_torchrun_engine(config)
+        elif config.dp_size > 1:
+            from deepinfer_dp.cluster.offline import DPEngine
+            self.llm_engine = self._dp = DPEngine(config, **(dp_options or {}))
+        else:
+            self.llm_engine = LLMEngine(config)
+
+    def rank_stats(self) -> list[dict]:
+        """Every DP rank's counters (generate_step, placeholder_steps, ...); one entry at dp 1.
+        Under torchrun this is a collective: call it on every rank."""
+        return [self.llm_engine.stats()] if self._dp is None else self._dp.rank_stats()
+
+    def shutdown(self) -> None:
+        """Stops DP ranks (Ray actors) and the engine's threads."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

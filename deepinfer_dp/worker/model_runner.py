@@ -22,12 +22,14 @@ class ModelInput:
     sample_indices: torch.Tensor | None  # int64 [N]; None for the placeholder step
 
 
-def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
-    """Blocks in the KV cache: as configured, or as many as kv_cache_memory_gb holds."""
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
+    """Blocks in the KV cache: as configured, or as many as kv_cache_memory_gb holds, but no
+    more than max_num_seqs full-length sequences can use (plus the dummy block 0)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
-    return max(2, int(config.kv_cache_memory_gb * 2**30) // per_block)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    return max(2, min(int(config.kv_cache_memory_gb * 2**30) // per_block, useful))
 
 
 class ModelRunner:
