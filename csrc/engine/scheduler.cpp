@@ -87,11 +87,24 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   auto out = std::make_shared<SchedulerOutput>();
   out->step_id = ++step_id_;
   out->block_size = config_.block_size;
+  reserve_batch(*out);
   out->query_start_loc.push_back(0);
   if (!schedule_prefills(*out)) schedule_decodes(*out);
   drop_finished();
   finalize_batch(*out);
   return out;
+}
+
+// Sized for a decode step of every running sequence, the common case: no regrowth.
+void Scheduler::reserve_batch(SchedulerOutput &out) const {
+  size_t s = std::min<size_t>(running_.size() + waiting_.size(), config_.max_num_seqs) + 1;
+  for (auto *v : {&out.seq_ids, &out.input_ids, &out.positions, &out.slot_mapping, &out.sample_indices})
+    v->reserve(s);
+  for (auto *v : {&out.input_from_prev, &out.query_start_loc, &out.seq_lens}) v->reserve(s);
+  out.seqs.reserve(s);
+  out.epochs.reserve(s);
+  out.samples.reserve(s);
+  out.sample_rows.reserve(s);
 }
 
 // A prefill batch: running sequences with a prompt still to compute (chunked prefill),

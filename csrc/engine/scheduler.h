@@ -104,6 +104,7 @@ class Scheduler {
  private:
   void validate(const Sequence &seq) const;
   void drop_finished();
+  void reserve_batch(SchedulerOutput &out) const;
   bool schedule_prefills(SchedulerOutput &out);
   void schedule_decodes(SchedulerOutput &out);
   bool admit_waiting(SchedulerOutput &out, int &budget);

@@ -1,0 +1,94 @@
+"""DP scaling: the offline workload of benchmarks/offline_throughput.py on DP=1 and on DP=2
+(Ray actor ranks behind the router), one torch thread per rank, and the lockstep's cost.
+
+Workload: N prompts (default 64), prompt i is the chat-template-applied "Write a short
+story about a robot number {i}.", greedy, exactly 128 new tokens each (EOS ignored), all
+submitted at once. Prints output tokens/s of each, the scaling ratio, and, per DP=2 rank,
+the all-reduce (vote) time and the placeholder-step time as shares of the rank's step time.
+Each side runs in its own subprocess, one after the other, so they never share the cores.
+
+    python benchmarks/dp_scaling.py [--model DIR] [--prompts 64] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from offline_throughput import chat_prompts  # noqa: E402
+
+
+def run_side(dp_size: int, model: str | None, prompts: int, max_tokens: int, policy: str) -> dict:
+    from deepinfer_dp import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model, decode_sequence=False, dp_size=dp_size, torch_threads=1,
+              dp_options={"policy": policy} if dp_size > 1 else None)
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[1, 2, 3]] * max(2, dp_size), sampling_params=warm, use_tqdm=False)
+    start_s = time.perf_counter() - t0
+    before = llm.rank_stats()
+    ids = chat_prompts(llm.get_tokenizer(), prompts)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    results = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for outs in results for o in outs)
+    after = llm.rank_stats()
+    llm.shutdown()
+    ranks = [{k: b[k] - a[k] for k in ("generate_step", "placeholder_steps", "step_time_s",
+                                       "placeholder_step_time_s", "allreduce_time_s", "prompt_tokens")
+              if k in b}
+             for a, b in zip(before, after, strict=True)]
+    return {"dp_size": dp_size, "tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
+            "start_s": start_s, "ranks": ranks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--side", type=int, default=None, help=argparse.SUPPRESS)  # child process
+    args = ap.parse_args()
+    if args.side is not None:
+        print(json.dumps(run_side(args.side, args.model, args.prompts, args.max_tokens, args.policy)))
+        return
+    sides = {}
+    for dp in (1, 2):
+        cmd = [sys.executable, __file__, "--side", str(dp), "--prompts", str(args.prompts),
+               "--max-tokens", str(args.max_tokens), "--policy", args.policy]
+        if args.model:
+            cmd += ["--model", args.model]
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"DP={dp} failed:\n{out.stderr[-4000:]}")
+        sides[dp] = json.loads(out.stdout.strip().splitlines()[-1])
+    report(sides, args)
+
+
+def report(sides: dict, args) -> None:
+    one, two = sides[1], sides[2]
+    print(f"workload: {args.prompts} prompts x {args.max_tokens} new tokens, greedy, one torch thread per rank")
+    for s in (one, two):
+        print(f"DP={s['dp_size']}: {s['tokens']} tokens in {s['seconds']:.1f} s = {s['tok_per_s']:.1f} tok/s "
+              f"(start-up {s['start_s']:.1f} s)")
+    print(f"scaling DP=2 / DP=1: {two['tok_per_s'] / one['tok_per_s']:.2f}x")
+    for i, r in enumerate(two["ranks"]):
+        step = r["step_time_s"] or float("nan")
+        print(f"  rank {i}: {r['generate_step']} steps ({r['placeholder_steps']} placeholder), "
+              f"prompt tokens {r['prompt_tokens']}, step time {r['step_time_s']:.2f} s, "
+              f"all-reduce {r['allreduce_time_s']:.3f} s = {100 * r['allreduce_time_s'] / step:.2f}% of step time, "
+              f"placeholder steps {r['placeholder_step_time_s']:.3f} s = "
+              f"{100 * r['placeholder_step_time_s'] / step:.2f}%")
+
+
+if __name__ == "__main__":
+    main()

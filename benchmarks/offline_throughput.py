@@ -1,0 +1,138 @@
+"""Offline throughput: this engine against transformers `generate` (static batching), side by side.
+
+The fixed workload: N prompts, prompt i is the chat-template-applied "Write a short story
+about a robot number {i}.", greedy, exactly 128 new tokens each (EOS ignored), all
+submitted at once; N = 64 and N = 8. Each side runs in its own subprocess (so peak RSS is
+its own), one after the other in this one script run, and the ratio is printed.
+
+    python benchmarks/offline_throughput.py [--points 64 8] [--max-tokens 128] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+PROMPT = "Write a short story about a robot number {i}."
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    convs = [[{"role": "user", "content": PROMPT.format(i=i)}] for i in range(n)]
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_ours(points: list[int], max_tokens: int, zos: bool) -> dict:
+    t0 = time.perf_counter()
+    from deepinfer_dp import LLM, SamplingParams
+
+    llm = LLM(decode_sequence=False, zos=zos)
+    first = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1, temperature=0),
+                         use_tqdm=False)
+    cold_start = time.perf_counter() - t0
+    assert first and first[0]
+    runner = llm.llm_engine.worker.runner
+    forward_time = [0.0]
+    inner = runner.forward
+
+    def timed_forward(inp):
+        t = time.perf_counter()
+        try:
+            return inner(inp)
+        finally:
+            forward_time[0] += time.perf_counter() - t
+
+    runner.forward = timed_forward
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    result = {"cold_start_s": cold_start, "points": {}}
+    for n in points:
+        ids = chat_prompts(llm.get_tokenizer(), n)
+        forward_time[0] = 0.0
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        tokens = sum(len(o) for o in outs)
+        assert tokens == n * max_tokens
+        result["points"][n] = {"tok_s": tokens / wall, "wall_s": wall,
+                               "overhead_share": max(0.0, 1.0 - forward_time[0] / wall)}
+    result["peak_rss_gb"] = peak_rss_gb()
+    return result
+
+
+def run_hf(points: list[int], max_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deepinfer_dp.models.loader import resolve_model_dir
+
+    t0 = time.perf_counter()
+    model_dir = resolve_model_dir(None)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    result = {"cold_start_s": time.perf_counter() - t0, "points": {}}
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    for n in points:
+        ids = chat_prompts(tok, n)
+        width = max(len(i) for i in ids)
+        input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        wall = time.perf_counter() - t
+        tokens = (out.shape[1] - width) * n
+        result["points"][n] = {"tok_s": tokens / wall, "wall_s": wall}
+    result["peak_rss_gb"] = peak_rss_gb()
+    return result
+
+
+def in_subprocess(side: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
+           "--points", *map(str, args.points)] + (["--no-zos"] if args.no_zos else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def report(ours: dict, hf: dict | None, points: list[int]) -> None:
+    print(f"cold start to first output: deepinfer-dp {ours['cold_start_s']:.1f} s"
+          + (f", transformers load {hf['cold_start_s']:.1f} s" if hf else ""))
+    hf_rss = f", transformers {hf['peak_rss_gb']:.2f} GB" if hf else ""
+    print(f"peak RSS: deepinfer-dp {ours['peak_rss_gb']:.2f} GB{hf_rss}")
+    print(f"{'prompts':>8} {'deepinfer-dp tok/s':>19} {'transformers tok/s':>19} {'ratio':>6} {'engine overhead':>16}")
+    for n in points:
+        o = ours["points"][str(n)]
+        h = hf["points"][str(n)]["tok_s"] if hf else float("nan")
+        print(f"{n:>8} {o['tok_s']:>19.1f} {h:>19.1f} {o['tok_s'] / h:>5.2f}x {o['overhead_share'] * 100:>15.1f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", type=int, nargs="+", default=[64, 8])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true", help="measure this engine only")
+    ap.add_argument("--no-zos", action="store_true", help="run the engine with ZOS off")
+    ap.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.side == "ours":
+        print(json.dumps(run_ours(args.points, args.max_tokens, not args.no_zos)))
+    elif args.side == "hf":
+        print(json.dumps(run_hf(args.points, args.max_tokens)))
+    else:
+        ours = in_subprocess("ours", args)
+        hf = None if args.skip_hf else in_subprocess("hf", args)
+        report(ours, hf, args.points)
+
+
+if __name__ == "__main__":
+    main()
