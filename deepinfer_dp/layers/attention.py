@@ -74,7 +74,7 @@ class Attention(nn.Module):
                  md: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
-        for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
+        for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
             end = start + qlen
             if qlen == slen:  # no cached context: attend over the fresh K/V directly
                 out[start:end] = _causal_attention(q[start:end], k[start:end], v[start:end],
@@ -141,6 +141,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      md: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call."""
     num_seqs, num_heads, head_dim = q.shape
+    if num_seqs != md.block_tables.shape[0]:
+        raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
+                         f"for {md.block_tables.shape[0]} sequences")
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     blocks, mask = _decode_layout(md, k_cache.shape[1])
@@ -150,7 +153,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     values = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
     # GQA without copying K/V per query head: the `group` query heads that share a KV head
     # become `group` query rows of that head (HF's repeat_kv maps head h to KV head h // group).
-    q = q.view(num_seqs, num_kv_heads, group, head_dim)
+    q = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)

@@ -90,6 +90,7 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
         if target.is_dir():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
             _write_hf_dir(gguf_path, tmp)
             os.rename(tmp, target)
@@ -130,7 +131,9 @@ def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
     tensors = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
-            continue  # llama3 rope factors: recomputed from the config's rope parameters
+            # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.
+            raise ValueError(f"{t.name} (Llama 3.1 rope scaling) in GGUF files is not supported; "
+                             "load the model's Hugging Face directory instead")
         name = _hf_name(t.name)
         array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

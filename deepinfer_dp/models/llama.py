@@ -70,7 +70,7 @@ def max_context_len(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, context: ForwardContext):
+    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads(config)
@@ -89,8 +89,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          rope_parameters(config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, context)
 
@@ -122,9 +121,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, context: ForwardContext):
+    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, context)
+        self.self_attn = LlamaAttention(config, context, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -138,7 +137,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config, context: ForwardContext):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, context)
+        # One RoPE table for all layers (it is the same for each, and not small).
+        rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings,
+                                     rope_parameters(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, context, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV cache pairs for {len(layers)} layers")
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             layer.self_attn.attn.k_cache = k_cache
             layer.self_attn.attn.v_cache = v_cache
 
@@ -215,12 +217,13 @@ class LlamaForCausalLM(nn.Module):
             self.tie_word_embeddings = True
             loaded.add("lm_head.weight")
         missing = []
-        for name, param in params.items():
+        for name in params:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if any(f in name for f in ("qkv_proj", "gate_up_proj")):
-                n = 3 if "qkv_proj" in name else 2
-                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in loaded]
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+            if fused:  # report the Hugging Face names of the missing pieces
+                missing += [name.replace(fused, hf) for hf, (target, shard) in _FUSED.items()
+                            if target == fused and f"{name}#{shard}" not in loaded]
             elif name not in loaded:
                 missing.append(name)
         if missing:

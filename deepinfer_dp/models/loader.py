@@ -94,6 +94,6 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
     device = torch.device(device)
     net = build_model(config, dtype, device)
     net.load_weights(iterate_weights(model_dir))
-    net.eval()
+    net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
                        model_dir=str(model_dir))
