@@ -42,7 +42,8 @@ def run_side(dp_size: int, model: str | None, prompts: int, max_tokens: int, pol
     after = llm.rank_stats()
     llm.shutdown()
     ranks = [{k: b[k] - a[k] for k in ("generate_step", "placeholder_steps", "step_time_s",
-                                       "placeholder_step_time_s", "allreduce_time_s", "prompt_tokens")
+                                       "placeholder_step_time_s", "allreduce_time_s", "allreduce_wait_s",
+                                       "allreduce_collective_s", "prompt_tokens")
               if k in b}
              for a, b in zip(before, after, strict=True)]
     return {"dp_size": dp_size, "tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
@@ -81,13 +82,18 @@ def report(sides: dict, args) -> None:
         print(f"DP={s['dp_size']}: {s['tokens']} tokens in {s['seconds']:.1f} s = {s['tok_per_s']:.1f} tok/s "
               f"(start-up {s['start_s']:.1f} s)")
     print(f"scaling DP=2 / DP=1: {two['tok_per_s'] / one['tok_per_s']:.2f}x")
+    print("lockstep cost per DP=2 rank, as a share of its step time (step() and flush, vote excluded):")
     for i, r in enumerate(two["ranks"]):
         step = r["step_time_s"] or float("nan")
+
+        def share(key: str, r=r, step=step) -> str:
+            return f"{r[key]:.3f} s = {100 * r[key] / step:.2f}%"
+
         print(f"  rank {i}: {r['generate_step']} steps ({r['placeholder_steps']} placeholder), "
-              f"prompt tokens {r['prompt_tokens']}, step time {r['step_time_s']:.2f} s, "
-              f"all-reduce {r['allreduce_time_s']:.3f} s = {100 * r['allreduce_time_s'] / step:.2f}% of step time, "
-              f"placeholder steps {r['placeholder_step_time_s']:.3f} s = "
-              f"{100 * r['placeholder_step_time_s'] / step:.2f}%")
+              f"prompt tokens {r['prompt_tokens']}, step time {r['step_time_s']:.2f} s")
+        print(f"    all-reduce in total {share('allreduce_time_s')}: the collective itself "
+              f"{share('allreduce_collective_s')}, waiting for the slower rank {share('allreduce_wait_s')}")
+        print(f"    placeholder steps {share('placeholder_step_time_s')}")
 
 
 if __name__ == "__main__":

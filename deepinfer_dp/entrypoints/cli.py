@@ -1,25 +1,16 @@
-"""`deepinfer-dp`: the command line. `generate` runs the offline job on a model (the
-default SmolLM2-135M-Instruct unless --model is given) and prints the completions."""
+"""`deepinfer-dp`: the command line.
+
+`generate` runs the offline job (the default SmolLM2-135M-Instruct unless --model is
+given) and prints the completions; `serve` starts the OpenAI-compatible server. Both take
+`--config FILE` (YAML, see configs/) with flags that override it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the paged KV cache")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--no-zos", action="store_true",
-                   help="disable zero-overhead scheduling (post-process every step in place)")
+from deepinfer_dp.config_file import add_config_args, load_config
+from deepinfer_dp.entrypoints.openai.launcher import add_serve_args, run_serve
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,18 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is instead of applying the model's chat template")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    _add_engine_args(gen)
+    add_config_args(gen)
     _add_sampling_args(gen)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API over DP ranks",
+                           description="Serve /v1/completions, /v1/chat/completions, /health and /metrics.")
+    add_serve_args(serve)
     return parser
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from deepinfer_dp import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=not args.no_prefix_caching,
-              zos=not args.no_zos)
+    deployment = load_config(args)
+    engine = deployment.engine_config()
+    options = {f: getattr(engine, f) for f in engine.__dataclass_fields__ if f not in ("model", "dp_rank")}
+    llm = LLM(model=engine.model, dp_options=deployment.dp_options(), **options)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     use_tqdm = not args.no_progress
@@ -74,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            run_serve(args)
+            return 0
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer-dp: error: {e}", file=sys.stderr)
         return 2

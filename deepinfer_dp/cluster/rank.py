@@ -1,0 +1,159 @@
+"""One DP rank serving online: its LLMEngine behind a ZeroMQ socket, stepping in waves.
+
+Idle, the rank blocks on its socket (no CPU). A wave starts when a request or a Wake(w) for
+the current wave arrives; inside it the rank drains its socket without blocking before each
+step, votes, steps, and sends the step's TokenDeltas (one message per step). All ranks leave
+a wave together, when the vote says no rank has work; then each reports WaveDone and counts
+the wave. A rank woken by a request (not a Wake) sends StartWave so the router wakes every
+rank: that closes the race of a request landing after a rank's last drain of a wave while
+the others already consumed their wakes (DESIGN.md "Online lockstep").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.distributed import Lockstep, LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class RankServer:
+    def __init__(self, engine: LLMEngine, dp_rank: int, router_addr: str, host: str = "127.0.0.1") -> None:
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self.wave = 0
+        self.waves_run = 0
+        self.step_time_s = 0.0  # wall time in step()/flush, the vote excluded
+        self.placeholder_step_time_s = 0.0
+        self._ctx = zmq.Context()
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self.address = f"tcp://{host}:{self._inbox.bind_to_random_port(f'tcp://{host}')}"
+        self._outbox = self._ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow router
+        self._outbox.connect(router_addr)
+        self._stop = False
+        self._reform: p.Reform | None = None
+
+    # ---- the outer loop ------------------------------------------------------------------
+    def serve(self) -> None:
+        """Until Shutdown: block for a message; enter a wave when it asks for one."""
+        try:
+            while not self._stop:
+                reason = self._handle(p.rank_decoder.decode(self._inbox.recv()), idle=True)
+                if reason is not None:
+                    self._run_wave(announce=reason == "request")
+                if self._reform is not None and self._apply_reform() == "request":
+                    self._run_wave(announce=True)  # a Reform that arrived mid-wave
+        finally:
+            self.engine.shutdown()
+            self._inbox.close(linger=0)
+            self._outbox.close(linger=1000)
+            self._ctx.term()
+
+    def _run_wave(self, announce: bool) -> None:
+        if announce:
+            self._send(p.StartWave(self.dp_rank, self.wave))
+        try:
+            self._step_until_all_done()
+        except LockstepError as e:
+            logger.error("%s", e)
+            self._send(p.GroupBroken(self.dp_rank, self.wave, str(e)))
+            self._await_reform()
+            return
+        self._send(p.WaveDone(self.dp_rank, self.wave))
+        self.wave += 1
+        self.waves_run += 1
+
+    def _step_until_all_done(self) -> None:
+        engine = self.engine
+        while True:
+            self._drain()
+            unfinished = engine.has_unfinished_requests()
+            start, placeholders = time.perf_counter(), engine.placeholder_steps
+            # Leaving the wave: flush the step ZOS kept in flight, once.
+            outputs = engine.step() if unfinished else engine.flush_inflight_reqs()
+            elapsed = time.perf_counter() - start
+            self.step_time_s += elapsed
+            if engine.placeholder_steps != placeholders:
+                self.placeholder_step_time_s += elapsed
+            if outputs:
+                self._send(p.Deltas(self.dp_rank, [p.delta_of(o, self.dp_rank) for o in outputs]))
+            if not unfinished:
+                return
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                raw = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(p.rank_decoder.decode(raw), idle=False)
+
+    # ---- messages ------------------------------------------------------------------------
+    def _handle(self, msg, idle: bool) -> str | None:
+        """Applies one message; returns why a wave should start ("request", "wake") or None."""
+        if isinstance(msg, p.AddRequest):
+            return "request" if self._add(msg) else None
+        if isinstance(msg, p.Wake):
+            return "wake" if idle and msg.wave >= self.wave else None  # older: stale, ignore
+        if isinstance(msg, p.Abort):
+            self._abort(msg.request_ids)
+        elif isinstance(msg, p.StatsQuery):
+            self._send(p.Stats(self.dp_rank, msg.query_id, self.stats()))
+        elif isinstance(msg, p.Reform):
+            self._reform = msg
+            if idle:
+                return self._apply_reform()
+        elif isinstance(msg, p.Shutdown):
+            self._stop = True
+        return None
+
+    def _add(self, msg: p.AddRequest) -> bool:
+        try:
+            self.engine.add_request(None, p.params_from_wire(msg.params), msg.prompt_token_ids,
+                                    request_id=msg.request_id)
+        except ValueError as e:
+            self._send(p.Rejected(self.dp_rank, msg.request_id, f"request {msg.request_id}: {e}"))
+            return False
+        return True
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in self.engine.abort_request(request_ids):
+            self._send(p.Deltas(self.dp_rank, [p.TokenDelta(rid, [], True, "abort", dp_rank=self.dp_rank)]))
+
+    # ---- failure: wait for the router to re-form the group -------------------------------
+    def _await_reform(self) -> None:
+        while self._reform is None and not self._stop:
+            self._handle(p.rank_decoder.decode(self._inbox.recv()), idle=False)
+        if self._reform is not None:
+            if self._apply_reform() == "request":
+                self._run_wave(announce=True)
+
+    def _apply_reform(self) -> str | None:
+        """Joins the fresh group; the engine's own requests survive (the failed collective
+        was the vote, before any step), so a rank with work starts a wave right away."""
+        r, self._reform = self._reform, None
+        old = self.engine.lockstep
+        destroy_dp_groups()
+        groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, old.groups.device,
+                                old.groups.timeout_s)
+        self.engine.lockstep = Lockstep(groups, old.use_cpu_group)
+        self.wave = r.wave
+        logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
+                       r.world_size)
+        return "request" if self.engine.scheduler.has_unfinished_seqs() else None
+
+    def stats(self) -> dict:
+        lockstep = self.engine.lockstep.stats() if self.engine.lockstep is not None else {}
+        return {"dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run,
+                "step_time_s": self.step_time_s, "placeholder_step_time_s": self.placeholder_step_time_s,
+                **self.engine.stats(), **lockstep}
+
+    def _send(self, msg) -> None:
+        self._outbox.send(p.encoder.encode(msg))

@@ -1,0 +1,55 @@
+"""Offline DP under `torchrun --nproc-per-node N`: each process is one rank.
+
+Each process builds LLM(...) as usual; LLM sees torchrun's environment and builds its
+engine with a Lockstep on the DP group, so has_unfinished_requests() is the MAX over all
+ranks and every rank steps until the last one is done (a rank with an empty shard runs
+placeholder steps). See launch/torchrun_generate.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.distributed import DPGroups, Lockstep, init_dp_groups_from_env, torchrun_env
+from deepinfer_dp.distributed.groups import DEFAULT_TIMEOUT_S, all_gather_json
+from deepinfer_dp.engine.llm_engine import LLMEngine
+
+
+class TorchrunRank:
+    """This process's place in the DP group, and the collective calls every rank makes."""
+
+    def __init__(self, groups: DPGroups, engine: LLMEngine) -> None:
+        self.groups = groups
+        self.engine = engine
+
+    def rank_stats(self) -> list[dict]:
+        """Every rank's counters, in rank order. A collective: call it on every rank."""
+        lockstep = self.engine.lockstep.stats() if self.engine.lockstep is not None else {}
+        mine = {"dp_rank": self.groups.rank, **self.engine.stats(), **lockstep}
+        return all_gather_json(self.groups, mine)
+
+    def shard(self, items: list) -> list:
+        """This rank's share of `items` (rank r takes items r, r+N, ...)."""
+        return items[self.groups.rank::self.groups.world_size]
+
+
+def build_torchrun_engine(config: EngineConfig) -> tuple[LLMEngine, TorchrunRank]:
+    env = torchrun_env()
+    assert env is not None, "build_torchrun_engine runs under torchrun only"
+    rank, world = env
+    if config.dp_size not in (1, world):
+        raise ValueError(f"dp_size={config.dp_size} but torchrun started {world} processes; "
+                         f"leave dp_size out under torchrun")
+    device = config.device
+    if device == "auto" and torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+    config = dataclasses.replace(config, dp_size=world, dp_rank=rank, device=device)
+    timeout_s = float(os.environ.get("DEEPINFER_DP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    engine = LLMEngine(config)
+    groups = init_dp_groups_from_env(engine.device, timeout_s)
+    engine.lockstep = Lockstep(groups, use_cpu_group=config.zos)
+    return engine, TorchrunRank(groups, engine)

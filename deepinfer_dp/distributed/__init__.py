@@ -1,0 +1,13 @@
+"""Data-parallel process groups and the lockstep vote (see DESIGN.md "The step loop", rule 5)."""
+
+from deepinfer_dp.distributed.groups import (
+    DPGroups,
+    destroy_dp_groups,
+    init_dp_groups,
+    init_dp_groups_from_env,
+    torchrun_env,
+)
+from deepinfer_dp.distributed.lockstep import Lockstep, LockstepError
+
+__all__ = ["DPGroups", "Lockstep", "LockstepError", "destroy_dp_groups", "init_dp_groups",
+           "init_dp_groups_from_env", "torchrun_env"]

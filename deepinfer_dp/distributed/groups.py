@@ -1,0 +1,102 @@
+"""The data-parallel process groups of one rank.
+
+Two groups over the same ranks: the CPU group (Gloo) carries the lockstep vote under ZOS, so
+the vote never waits on the device; the device group (NCCL on CUDA, the Gloo group on CPU)
+carries collectives on device tensors. Every collective has a timeout, so a dead or stuck
+peer turns into an error instead of a hang.
+
+Two ways in: torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or a
+TCPStore address handed out by a launcher (Ray). A torch process holds one default group, so
+re-forming after a failure means destroy_dp_groups() and init again on a fresh store.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 30.0
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class DPGroups:
+    rank: int
+    world_size: int
+    cpu_group: dist.ProcessGroup
+    device_group: dist.ProcessGroup
+    device: torch.device  # where tensors for device_group live
+    timeout_s: float
+    origin: str  # "torchrun" or the store's host:port, for error messages
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world_size) when this process was started by torchrun with more than one rank."""
+    if not all(v in os.environ for v in _TORCHRUN_VARS):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return (int(os.environ["RANK"]), world) if world > 1 else None
+
+
+def init_dp_groups_from_env(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DPGroups:
+    """Joins the group torchrun describes in the environment (its agent hosts the store)."""
+    env = torchrun_env()
+    if env is None:
+        raise RuntimeError(f"not under torchrun with WORLD_SIZE > 1: need {', '.join(_TORCHRUN_VARS)}")
+    rank, world = env
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return _make_groups(rank, world, device, timeout_s, "torchrun")
+
+
+def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: torch.device,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> DPGroups:
+    """Joins a group through the TCPStore at host:port. The store must already be served
+    (by a launcher, or by rank 0 before it handed the port out)."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return _make_groups(rank, world_size, device, timeout_s, f"{host}:{port}")
+
+
+def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """A TCPStore server on a free port (store.port); keep the object alive while ranks join."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _make_groups(rank: int, world: int, device: torch.device, timeout_s: float, origin: str) -> DPGroups:
+    cpu_group = dist.group.WORLD
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        device_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout_s))
+    else:
+        device = torch.device("cpu")
+        device_group = cpu_group  # on CPU both are Gloo: one group is enough
+    return DPGroups(rank, world, cpu_group, device_group, device, timeout_s, origin)
+
+
+def destroy_dp_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_json(groups: DPGroups, obj) -> list:
+    """Every rank's `obj` (msgspec-encodable), in rank order. JSON bytes in uint8 tensors over
+    the CPU group: no pickle, unlike all_gather_object."""
+    data = torch.frombuffer(bytearray(msgspec.json.encode(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(groups.world_size)]
+    dist.all_gather(sizes, size, group=groups.cpu_group)
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(groups.world_size)]
+    dist.all_gather(bufs, padded, group=groups.cpu_group)
+    return [msgspec.json.decode(buf[: int(n.item())].numpy().tobytes())
+            for buf, n in zip(bufs, sizes, strict=True)]

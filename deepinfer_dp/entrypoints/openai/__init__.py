@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: build_app (server.py) over any EngineClient."""

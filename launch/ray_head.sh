@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Starts a Ray head node on this machine; DP deployments then join it with ray.address=auto
+# (config) or --ray-address auto (CLI). Stop it with `ray stop` on this node only when no
+# other Ray work runs here (it ends every Ray process on the machine).
+#   launch/ray_head.sh [NUM_CPUS] [NUM_GPUS]
+set -euo pipefail
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+NUM_CPUS="${1:-$(nproc)}"
+NUM_GPUS="${2:-0}"
+HEAD_IP="${HEAD_IP:-127.0.0.1}"     # the address workers reach; 127.0.0.1 for one machine
+PORT="${RAY_PORT:-6379}"
+exec ray start --head --node-ip-address "$HEAD_IP" --port "$PORT" --num-cpus "$NUM_CPUS" \
+  --num-gpus "$NUM_GPUS" --include-dashboard false --object-store-memory $((100 * 1024 * 1024)) \
+  --temp-dir "${RAY_TEMP_DIR:-/tmp/ray_dp}"

@@ -1,0 +1,92 @@
+"""YAML deployment configs: the shipped ones load, bad ones stop with one clear message
+naming the file and the key, and command-line flags override the file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from deepinfer_dp.config_file import ConfigError, add_config_args, load_config, load_config_file
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["smollm2_dp1.yaml", "smollm2_dp2.yaml", "tiny_test.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config_file(CONFIGS / name)
+    engine = cfg.engine_config()
+    assert engine.dp_size == cfg.dp_size and engine.block_size == cfg.block_size
+
+
+def test_dp2_config_becomes_engine_config_and_dp_options():
+    cfg = load_config_file(CONFIGS / "smollm2_dp2.yaml")
+    assert cfg.engine_config().torch_threads == 1
+    assert cfg.dp_options() == {"policy": "least_loaded", "address": "local", "strategy": "pack",
+                                "collective_timeout_s": 30.0}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("max_num_seqs: 8\nbogus_key: 1\n", "bogus_key", "unknown key"),
+    ("router:\n  policy: fastest\n", "router.policy", "round_robin"),
+    ("max_num_seqs: '8'\n", "max_num_seqs", "valid integer"),
+    ("zos: 3\n", "zos", "valid boolean"),
+    ("block_size: 12\n", "block_size", "power of two"),
+    ("block_size: 0\n", "block_size", "greater than or equal to 1"),
+    (f"dp_size: {(os.cpu_count() or 1) + 1}\ndevice: cpu\n", "dp_size", "available on this machine"),
+    ("server:\n  port: 70000\n", "server.port", "65535"),
+    ("ray:\n  placement_strategy: scatter\n", "ray.placement_strategy", "pack"),
+    ("backend: slurm\n", "backend", "ray"),
+])
+def test_bad_config_names_the_file_and_the_key(tmp_path, text, key, words):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config_file(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: invalid config: {key}: ")
+    assert words in message
+    assert "\n" not in message  # one message, one line
+
+
+def test_dp_size_is_not_checked_against_a_remote_ray_cluster(tmp_path):
+    path = _write(tmp_path, "dp_size: 64\nray:\n  address: auto\n")
+    assert load_config_file(path).dp_size == 64
+
+
+def test_missing_file_and_broken_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config_file(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config_file(_write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config_file(_write(tmp_path, "- a\n- b\n"))
+
+
+def _parse(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    return load_config(parser.parse_args(argv))
+
+
+def test_flags_override_the_file():
+    cfg = _parse(["--config", str(CONFIGS / "smollm2_dp2.yaml"), "--dp-size", "1", "--router-policy",
+                  "round_robin", "--port", "9000", "--no-zos", "--block-size", "32"])
+    assert (cfg.dp_size, cfg.router.policy, cfg.server.port, cfg.zos, cfg.block_size) == \
+        (1, "round_robin", 9000, False, 32)
+    assert cfg.max_num_seqs == 64  # from the file
+    assert cfg.server.host == "127.0.0.1"
+
+
+def test_flags_without_a_file_and_bad_flag_value():
+    cfg = _parse(["--max-num-seqs", "4", "--no-prefix-caching"])
+    assert cfg.max_num_seqs == 4 and cfg.enable_prefix_caching is False and cfg.dp_size == 1
+    with pytest.raises(ConfigError, match=r"^command line: invalid config: router.policy: "):
+        _parse(["--router-policy", "fastest"])
