@@ -10,6 +10,7 @@ RemoteOutputs that read like the RequestOutputs of one rank.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import os
 import queue
@@ -60,15 +61,19 @@ class DPEngine:
                  strategy: str = "PACK", collective_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         if config.torch_threads is None and config.torch_device().type == "cpu":
             # One rank per core share: ranks oversubscribing the cores would slow each other.
-            config.torch_threads = max(1, (os.cpu_count() or 1) // config.dp_size)
+            config = dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // config.dp_size))
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         name = str(config.model or model_dir)
         self.router = Router(self.tokenizer, name, 0, 0, make_policy(policy), host=host,
                              collective_timeout_s=collective_timeout_s)
-        self.ranks = RayRanks(config, self.router, config.dp_size, address, strategy,
-                              timeout_s=collective_timeout_s)
+        try:
+            self.ranks = RayRanks(config, self.router, config.dp_size, address, strategy,
+                                  timeout_s=collective_timeout_s)
+        except BaseException:
+            self.router.close()
+            raise
         self.router.vocab_size = self.ranks.infos[0]["vocab_size"]
         self.router.max_model_len = self.max_model_len = self.ranks.infos[0]["max_model_len"]
         self._outputs: queue.Queue = queue.Queue()

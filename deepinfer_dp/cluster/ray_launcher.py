@@ -90,8 +90,15 @@ class RayRanks:
             .remote({**cfg, "dp_size": dp_size, "dp_rank": i, "device": _rank_device(config)}, i, dp_size)
             for i in range(dp_size)]
         store = serve_store(router.host, timeout_s)  # served here, so ranks need no ordering
-        self.infos = ray.get([a.start.remote(router.host, store.port, router.address, timeout_s, router.host)
-                              for a in self.actors], timeout=START_TIMEOUT_S)
+        try:
+            self.infos = ray.get([a.start.remote(router.host, store.port, router.address, timeout_s,
+                                                 router.host) for a in self.actors], timeout=START_TIMEOUT_S)
+        except BaseException as e:
+            self.shutdown()  # a rank failed to start (bad model path...): leave nothing behind
+            cause = getattr(e, "cause", None)  # a RayTaskError carries the rank's own exception
+            if isinstance(cause, Exception):
+                raise cause from e
+            raise
         self._store = store
         router.attach_ranks([info["address"] for info in self.infos], liveness=self)
 

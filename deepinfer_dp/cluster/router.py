@@ -228,9 +228,11 @@ class Router:
         with self._lock:
             candidates = [r.dp_rank for r in self.ranks if r.up]
         dead = [i for i in candidates if not self.liveness.alive(i)]
+        for i in dead:
+            self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
         with self._lock:
             for i in dead:
-                self.mark_down(i, f"DP rank {i} died (its process is gone)")
+                self.mark_down(i, f"DP rank {i} died or stopped answering health checks")
             since = self._broken_since
             if not dead and since is not None and time.monotonic() - since > 2 * self._collective_timeout_s:
                 for r in self.ranks:
