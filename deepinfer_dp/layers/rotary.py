@@ -63,6 +63,8 @@ class RotaryEmbedding(nn.Module):
         # cos/sin tables are built lazily per (device, dtype): the model may be created on
         # the meta device and materialized later, which would wipe a precomputed buffer.
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_positions: torch.Tensor | None = None
+        self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (device, dtype)
@@ -77,9 +79,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_table, sin_table = self._cos_sin(q.device, q.dtype)
-        cos = cos_table[positions].unsqueeze(1)  # [T, 1, D]
-        sin = sin_table[positions].unsqueeze(1)
+        # Every layer of a step passes the same positions tensor: look the rows up once.
+        if self._step_positions is not positions:
+            cos_table, sin_table = self._cos_sin(q.device, q.dtype)
+            self._step_cos_sin = (cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1))  # [T, 1, D]
+            self._step_positions = positions
+        cos, sin = self._step_cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 

@@ -11,6 +11,7 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.linear import pack_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 
 
@@ -20,6 +21,8 @@ class ModelInput:
     positions: torch.Tensor  # int64 [T]
     attn_metadata: AttentionMetadata
     sample_indices: torch.Tensor | None  # int64 [N]; None for the placeholder step
+    inflight_src: torch.Tensor | None = None  # int64 [T]: previous step's sample row, or -1
+    prev_tokens: torch.Tensor | None = None  # the previous step's sampled ids (on the device)
 
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
@@ -38,7 +41,10 @@ class ModelRunner:
         self.device = config.torch_device()
         self.block_size = config.block_size
         self.num_blocks = num_blocks
+        self.vocab_size = loaded.hf_config.vocab_size
         dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_packed_weights:
+            pack_linears(self.model, batch_hint=min(config.max_num_seqs, 64))
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
 
@@ -48,12 +54,7 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def prepare(self, out: _C.SchedulerOutput, prev_tokens: torch.Tensor | None) -> ModelInput:
-        input_ids = self._tensor(out.input_ids)
-        if out.has_inflight_inputs:
-            # Tokens the previous (deferred) step sampled and nobody has read on the host yet.
-            src = self._tensor(out.input_from_prev).long()
-            inflight = src >= 0
-            input_ids = torch.where(inflight, prev_tokens[src.clamp(min=0)], input_ids)
+        inflight_src = self._tensor(out.input_from_prev) if out.has_inflight_inputs else None
         qsl = out.query_start_loc
         seq_lens = out.seq_lens
         query_lens = np.diff(qsl)
@@ -68,7 +69,8 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return ModelInput(input_ids, self._tensor(out.positions), md, self._tensor(out.sample_indices))
+        return ModelInput(self._tensor(out.input_ids), self._tensor(out.positions), md,
+                          self._tensor(out.sample_indices), inflight_src, prev_tokens)
 
     def placeholder_input(self) -> ModelInput:
         """One dummy token at position 0 in the reserved block 0: the same forward pass as a
@@ -90,7 +92,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""
-        hidden = self.model(inp.input_ids, inp.positions, inp.attn_metadata)
+        input_ids = inp.input_ids
+        if inp.inflight_src is not None:
+            # Tokens the previous (deferred) step sampled, never read on the host yet.
+            src = inp.inflight_src.long()
+            input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
+        hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
         if inp.sample_indices is None or inp.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])

@@ -57,9 +57,11 @@ class Worker:
         self.sampler = Sampler()
         self.prev_step_state: StepState | None = None
         self.on_cuda = runner.device.type == "cuda"
-        # torch releases the GIL inside its kernels, so a forward on this thread really
-        # runs while the host thread post-processes the previous step.
-        self._forward_thread = None if self.on_cuda else ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # The "device" on CPU: one thread runs every torch op (forward and sampling). torch
+        # releases the GIL in its kernels, so it computes while the host thread
+        # post-processes; and only this thread owns an OpenMP team -- a second team (torch
+        # ops on the host thread) would spin against it and slow both down several times.
+        self._device = None if self.on_cuda else ThreadPoolExecutor(1, thread_name_prefix="device")
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput) -> list:
         placeholder = sched_out.is_empty()
@@ -70,13 +72,14 @@ class Worker:
         else:
             model_input = self.runner.prepare(sched_out, prev_tokens)
         # 1. Forward current step
-        pending = self._launch_forward(model_input)
+        logits = self._on_device(self.runner.forward, model_input)
         # 2. Post-process previous step
         self.prev_step_state = None
         outputs = self._post_process_step(prev)
-        # 3. Sample current step
-        logits = pending.result() if isinstance(pending, Future) else pending
-        curr = StepState(sched_out, self._sample(sched_out, logits))
+        # 3. Sample current step (queued on the device after the forward)
+        batch = self.host.sampling_batch(sched_out, self.runner.vocab_size) if sched_out.num_samples else None
+        sampled = self._on_device(self._sample, logits, batch)
+        curr = StepState(sched_out, sampled.result() if isinstance(sampled, Future) else sampled)
         # 4. Post-process current step, now or (ZOS decode) during the next step
         if sched_out.is_prompt or placeholder or not self.zos:
             outputs.extend(self._post_process_step(curr))
@@ -90,15 +93,17 @@ class Worker:
         state, self.prev_step_state = self.prev_step_state, None
         return self._post_process_step(state)
 
-    def _launch_forward(self, model_input) -> Future | torch.Tensor | None:
-        if self._forward_thread is None:
-            return self.runner.forward(model_input)  # CUDA kernels are queued, not waited for
-        return self._forward_thread.submit(self.runner.forward, model_input)
+    def _on_device(self, fn, *args):
+        """Queues `fn` on the device thread (CPU) or runs it now (CUDA: kernels are queued
+        on the stream, not waited for). Arguments that are futures of earlier device work
+        are resolved on the device thread, where that work has already finished."""
+        if self._device is None:
+            return fn(*args)
+        return self._device.submit(lambda: fn(*(a.result() if isinstance(a, Future) else a for a in args)))
 
-    def _sample(self, sched_out: _C.SchedulerOutput, logits: torch.Tensor | None) -> SamplerOutput | None:
+    def _sample(self, logits: torch.Tensor | None, batch: SamplingBatch | None) -> SamplerOutput | None:
         if logits is None:
             return None
-        batch = self.host.sampling_batch(sched_out, logits.shape[-1])
         if batch is None:  # every row greedy and plain: the hot path
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
         return self.sampler(logits, batch)
@@ -120,5 +125,5 @@ class Worker:
         return self.host.post_process(state)
 
     def shutdown(self) -> None:
-        if self._forward_thread is not None:
-            self._forward_thread.shutdown(wait=True)
+        if self._device is not None:
+            self._device.shutdown(wait=True)
