@@ -116,42 +116,40 @@ def hand_off(out) -> int:
     return sum(a.shape[0] for a in arrays)
 
 
+def prompt_of(i: int) -> list[int]:
+    return [(i * 131 + j) % 32000 for j in range(PROMPT)]
+
+
+def timed_decode(sched, num_seqs: int, steps: int, num_samples) -> float:
+    """Runs the untimed prefill step, then times `steps` decode steps."""
+    out = sched.schedule()
+    sched.process_outputs(out, np.full(num_samples(out), 7, dtype=np.int64))
+    tokens = np.full(num_seqs, 7, dtype=np.int64)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = sched.schedule()
+        hand_off(out)
+        outputs = sched.process_outputs(out, tokens)
+        assert len(outputs) == num_seqs
+    return (time.perf_counter() - t0) / steps
+
+
 def run_cpp(num_seqs: int, steps: int) -> float:
     num_blocks = num_seqs * (-(-(PROMPT + steps + 8) // BLOCK)) + 1
     sched = _C.Scheduler(_C.SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * PROMPT,
                                             block_size=BLOCK, num_blocks=num_blocks, max_model_len=4096,
                                             vocab_size=32000, enable_prefix_caching=True))
     for i in range(num_seqs):
-        prompt = [(i * 131 + j) % 32000 for j in range(PROMPT)]
-        sched.add_sequence(_C.Sequence(str(i), prompt, _C.SequenceLimits(max_tokens=10**6, eos_token_id=2)))
-    out = sched.schedule()  # the prefill step, not timed
-    sched.process_outputs(out, np.full(out.num_samples, 7, dtype=np.int64))
-    tokens = np.full(num_seqs, 7, dtype=np.int64)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = sched.schedule()
-        hand_off(out)
-        outputs = sched.process_outputs(out, tokens)
-        assert len(outputs) == num_seqs
-    return (time.perf_counter() - t0) / steps
+        sched.add_sequence(_C.Sequence(str(i), prompt_of(i), _C.SequenceLimits(max_tokens=10**6, eos_token_id=2)))
+    return timed_decode(sched, num_seqs, steps, lambda out: out.num_samples)
 
 
 def run_python(num_seqs: int, steps: int) -> float:
     num_blocks = num_seqs * (-(-(PROMPT + steps + 8) // BLOCK)) + 1
     sched = PyScheduler(num_blocks, num_seqs, num_seqs * PROMPT)
     for i in range(num_seqs):
-        prompt = [(i * 131 + j) % 32000 for j in range(PROMPT)]
-        sched.add(PySeq(str(i), prompt, PROMPT, 10**6, 2))
-    out = sched.schedule()
-    sched.process_outputs(out, np.full(len(out["seqs"]), 7, dtype=np.int64))
-    tokens = np.full(num_seqs, 7, dtype=np.int64)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = sched.schedule()
-        hand_off(out)
-        outputs = sched.process_outputs(out, tokens)
-        assert len(outputs) == num_seqs
-    return (time.perf_counter() - t0) / steps
+        sched.add(PySeq(str(i), prompt_of(i), PROMPT, 10**6, 2))
+    return timed_decode(sched, num_seqs, steps, lambda out: len(out["seqs"]))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starts a Ray head node on this machine; DP deployments then join it with ray.address=auto
-# (config) or --ray-address auto (CLI). Stop it with `ray stop` on this node only when no
-# other Ray work runs here (it ends every Ray process on the machine).
+# (config) or --ray-address auto (CLI). To stop it, kill the head's own processes by PID
+# (Ray's global stop command would end every Ray process on the machine, not just this head).
 #   launch/ray_head.sh [NUM_CPUS] [NUM_GPUS]
 set -euo pipefail
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
