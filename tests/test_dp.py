@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dp_utils import collect_outcomes
 
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -233,7 +234,6 @@ def test_engine_client_stream_and_early_close_aborts(ray_llm):
 def test_killed_rank_fails_its_requests_and_the_survivor_keeps_serving(ray_llm, dp1_token_ids):
     """Runs last in this module: it kills rank 1 of the shared cluster."""
     from deepinfer_dp.cluster.policies import RoundRobin
-    from deepinfer_dp.engine.client import RankFailed
 
     engine = ray_llm.llm_engine
     router = engine.router
@@ -244,13 +244,7 @@ def test_killed_rank_fails_its_requests_and_the_survivor_keeps_serving(ray_llm, 
     first = got.get(timeout=60)  # rank work has started
     assert not isinstance(first, Exception)
     engine.ranks.kill(1)
-    failed, finished = [], []
-    while len(failed) + len(finished) < 4:
-        item = got.get(timeout=120)
-        if isinstance(item, RankFailed):
-            failed.append(str(item))
-        elif item.finished:
-            finished.append(item.request_id)
+    failed, finished = collect_outcomes(got, 4, timeout=120)
     assert len(failed) == ranks.count(1) and all("DP rank 1 died or stopped answering" in m for m in failed)
     assert sorted(finished) == sorted(f"kill-{i}" for i, r in enumerate(ranks) if r == 0)
     assert [h["up"] for h in router.health()] == [True, False]

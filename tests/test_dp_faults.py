@@ -9,6 +9,7 @@ import queue
 import signal
 
 import pytest
+from dp_utils import collect_outcomes
 
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -25,7 +26,6 @@ def dp2(tiny_model_dir):
 
 
 def test_frozen_rank_is_detected_killed_and_the_survivor_finishes(dp2):
-    from deepinfer_dp.engine.client import RankFailed
 
     engine = dp2.llm_engine
     router = engine.router
@@ -36,14 +36,8 @@ def test_frozen_rank_is_detected_killed_and_the_survivor_finishes(dp2):
     assert not isinstance(got.get(timeout=60), Exception)  # both ranks are stepping
     frozen_pid = engine.ranks.infos[1]["pid"]
     os.kill(frozen_pid, signal.SIGSTOP)
-    failed, finished = [], []
     try:
-        while len(failed) + len(finished) < 4:
-            item = got.get(timeout=180)
-            if isinstance(item, RankFailed):
-                failed.append(str(item))
-            elif item.finished:
-                finished.append(item.request_id)
+        failed, finished = collect_outcomes(got, 4, timeout=180)
     finally:
         try:
             os.kill(frozen_pid, signal.SIGCONT)  # if the router did not kill it, let shutdown do
