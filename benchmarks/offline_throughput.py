@@ -7,6 +7,7 @@ its own), alternating over --rounds rounds in this one script run (this machine'
 drifts by tens of percent over minutes), and the best round of each side gives the ratio.
 
     python benchmarks/offline_throughput.py [--points 64 8] [--max-tokens 128] [--rounds 2] [--skip-hf]
+        [--model DIR] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_ours(points: list[int], max_tokens: int, zos: bool) -> dict:
+def run_ours(args: argparse.Namespace) -> dict:
+    points, max_tokens = args.points, args.max_tokens
     t0 = time.perf_counter()
     from deepinfer_dp import LLM, SamplingParams
 
-    llm = LLM(decode_sequence=False, zos=zos)
+    llm = LLM(args.model, decode_sequence=False, zos=not args.no_zos, device=args.device, dtype=args.dtype)
     first = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1, temperature=0),
                          use_tqdm=False)
     cold_start = time.perf_counter() - t0
@@ -69,28 +71,34 @@ def run_ours(points: list[int], max_tokens: int, zos: bool) -> dict:
     return result
 
 
-def run_hf(points: list[int], max_tokens: int) -> dict:
+def run_hf(args: argparse.Namespace) -> dict:
+    points, max_tokens = args.points, args.max_tokens
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deepinfer_dp.models.loader import resolve_model_dir
 
     t0 = time.perf_counter()
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_model_dir(args.model)
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else auto_dtype
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     result = {"cold_start_s": time.perf_counter() - t0, "points": {}}
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     for n in points:
         ids = chat_prompts(tok, n)
         width = max(len(i) for i in ids)
-        input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
-        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, pad_token_id=pad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t
         tokens = (out.shape[1] - width) * n
         result["points"][n] = {"tok_s": tokens / wall, "wall_s": wall}
@@ -100,7 +108,8 @@ def run_hf(points: list[int], max_tokens: int) -> dict:
 
 def in_subprocess(side: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
-           "--points", *map(str, args.points)] + (["--no-zos"] if args.no_zos else [])
+           "--points", *map(str, args.points), "--device", args.device, "--dtype", args.dtype]
+    cmd += (["--no-zos"] if args.no_zos else []) + (["--model", args.model] if args.model else [])
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -133,12 +142,15 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="measure this engine only")
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each side; the best counts")
     ap.add_argument("--no-zos", action="store_true", help="run the engine with ZOS off")
+    ap.add_argument("--model", default=None, help="HF directory or .gguf; default SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
     ap.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side == "ours":
-        print(json.dumps(run_ours(args.points, args.max_tokens, not args.no_zos)))
+        print(json.dumps(run_ours(args)))
     elif args.side == "hf":
-        print(json.dumps(run_hf(args.points, args.max_tokens)))
+        print(json.dumps(run_hf(args)))
     else:
         ours_runs, hf_runs = [], []
         for _ in range(args.rounds):

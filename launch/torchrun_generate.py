@@ -33,14 +33,16 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--device", default="auto", help="auto: each rank its own GPU (cuda:LOCAL_RANK) or the CPU")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--output", help="rank 0 writes {token_ids, rank_stats} as JSON here")
     args = ap.parse_args()
     prompts = DEFAULT_PROMPTS
     if args.prompts_file:
         with open(args.prompts_file) as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
-    llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads,
-              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
+              dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = my_shard(len(prompts), rank, world, args.shard_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

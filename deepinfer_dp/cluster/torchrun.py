@@ -46,7 +46,12 @@ def build_torchrun_engine(config: EngineConfig) -> tuple[LLMEngine, TorchrunRank
                          f"leave dp_size out under torchrun")
     device = config.device
     if device == "auto" and torch.cuda.is_available():
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"torchrun local rank {local_rank} has no GPU of its own (this node has "
+                             f"{torch.cuda.device_count()}); start at most that many processes per node, "
+                             f"or choose a device for every rank with device='cuda:0' or 'cpu'")
+        device = f"cuda:{local_rank}"
     config = dataclasses.replace(config, dp_size=world, dp_rank=rank, device=device)
     timeout_s = float(os.environ.get("DEEPINFER_DP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     engine = LLMEngine(config)
