@@ -97,6 +97,28 @@ def test_prefix_cache_hit_skips_shared_blocks():
     assert res["tokens"] == run(ref_sched, ref_model)["tokens"]
 
 
+def test_prompts_sharing_a_prefix_in_one_step_compute_it_once():
+    shared = [(7 * j) % 50 for j in range(32)]
+    sched, model = fresh(block_size=16, max_num_batched_tokens=256)
+    add(sched, "a", shared + [1, 2], max_tokens=3)
+    add(sched, "lone", [(3 * j + 1) % 50 for j in range(20)], max_tokens=3)
+    add(sched, "b", shared + [3, 4, 5], max_tokens=3)
+    first = sched.schedule()
+    # "b" would recompute the two blocks "a" computes now: it waits one step; "lone" shares
+    # nothing and is not held back by it.
+    assert [m.request_id for m in first.seq_metadata()] == ["a", "lone"]
+    sched.process_outputs(first, model.forward(first, None))
+    second = sched.schedule()
+    assert [(m.request_id, m.seqlen_q) for m in second.seq_metadata()] == [("b", 3)]
+    assert sched.stats["prefix_hit_tokens"] == 32
+    got = [t for o in sched.process_outputs(second, model.forward(second, None)) if o.request_id == "b"
+           for t in o.token_ids]
+    got += run(sched, model)["tokens"]["b"]
+    ref_sched, ref_model = fresh(block_size=16, enable_prefix_caching=False)
+    add(ref_sched, "b", shared + [3, 4, 5], max_tokens=3)
+    assert got == run(ref_sched, ref_model)["tokens"]["b"]
+
+
 def test_prefix_cache_can_be_switched_off():
     shared = list(range(32))
     sched, model = fresh(block_size=16, enable_prefix_caching=False)

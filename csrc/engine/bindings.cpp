@@ -240,10 +240,15 @@ void bind_scheduler(py::module_ &m) {
 
 }  // namespace
 
+namespace deepinfer {
+void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "deepinfer-dp C++ core: sequences, scheduler, paged KV blocks, output pool";
+  m.doc() = "deepinfer-dp C++ core: sequences, scheduler, paged KV blocks, output pool, CPU decode attention";
   bind_sequence(m);
   bind_outputs(m);
   bind_scheduler_output(m);
   bind_scheduler(m);
+  bind_kernels(m);
 }

@@ -70,6 +70,13 @@ int BlockManager::take_prefix(Sequence &seq, int max_blocks) {
   return taken;
 }
 
+bool BlockManager::next_block_hash(const Sequence &seq, int max_blocks, uint64_t *hash) const {
+  int next = seq.num_hashed_blocks;
+  if (!prefix_caching_ || next >= max_blocks) return false;
+  *hash = chain_hash(seq.last_block_hash, seq.data.get_token_ids().data() + static_cast<size_t>(next) * block_size_);
+  return true;
+}
+
 int BlockManager::blocks_needed(const Sequence &seq, int num_positions) const {
   int want = (num_positions + block_size_ - 1) / block_size_;
   return std::max(0, want - static_cast<int>(seq.block_table.size()));

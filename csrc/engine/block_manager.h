@@ -27,6 +27,9 @@ class BlockManager {
 
   // Takes up to `max_blocks` cached full blocks of `seq`'s prefix (ref counts up); returns how many.
   int take_prefix(Sequence &seq, int max_blocks);
+  // After take_prefix: the chained hash of `seq`'s first uncached full block, if it has one
+  // below `max_blocks` (the block a prefill of `seq` would compute and register next).
+  bool next_block_hash(const Sequence &seq, int max_blocks, uint64_t *hash) const;
   // Grows `seq`'s block table to cover `num_positions`; false (nothing taken) if short of blocks.
   bool allocate_up_to(Sequence &seq, int num_positions);
   int blocks_needed(const Sequence &seq, int num_positions) const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace deepinfer {
 
@@ -126,28 +127,42 @@ bool Scheduler::schedule_prefills(SchedulerOutput &out) {
   return !out.seqs.empty();
 }
 
+// FCFS admission. A prompt whose next uncached block is the same as one that a prompt
+// admitted earlier in this step will compute waits for the next step, where it finds that
+// block in the prefix cache (SGLang's in-batch prefix caching): N prompts that share a long
+// system prompt compute it once instead of N times.
 bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
   int active = 0;
   for (const auto &s : running_) active += s->done_by_length(config_.max_model_len) ? 0 : 1;
+  std::unordered_set<uint64_t> computing;  // first uncached block of each prompt admitted now
   bool admitted = false;
-  while (!waiting_.empty() && budget > 0 && active < config_.max_num_seqs) {
-    auto seq = waiting_.front();
+  size_t i = 0;
+  while (i < waiting_.size() && budget > 0 && active < config_.max_num_seqs) {
+    auto seq = waiting_[i];
     if (seq->num_pending > 0) break;  // its newest token is still in flight; keep FCFS order
     int total = seq->total_len();
     if (ceil_div(total + 1, config_.block_size) > blocks_.num_usable_blocks()) {
       finish(*seq, SequenceStatus::FINISHED_LENGTH);  // grew past what the whole cache holds
-      waiting_.pop_front();
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
       continue;
     }
     int max_hit_blocks = (total - 1) / config_.block_size;  // always compute the last token
     // Take the cached prefix now (it may consume free blocks), give it back if the rest won't fit.
     int cached = blocks_.take_prefix(*seq, max_hit_blocks) * config_.block_size;
+    uint64_t next_hash = 0;
+    bool has_next = blocks_.next_block_hash(*seq, max_hit_blocks, &next_hash);
+    if (has_next && computing.count(next_hash)) {
+      blocks_.free_sequence(*seq);
+      ++i;
+      continue;
+    }
     int chunk = std::min(total - cached, budget);
     if (blocks_.blocks_needed(*seq, cached + chunk) > blocks_.num_free_blocks()) {
       blocks_.free_sequence(*seq);
       break;
     }
-    waiting_.pop_front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (has_next) computing.insert(next_hash);
     blocks_.allocate_up_to(*seq, cached + chunk);
     seq->num_computed = seq->num_processed = cached;
     if (seq->data.get_output_len() == 0) seq->num_cached_tokens = cached;

@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_dp import _C
+
+# The C++ in-place decode attention on CPU (fp32); False selects the gather + SDPA path.
+CPU_DECODE_KERNEL = True
+
 
 @dataclass
 class AttentionMetadata:
@@ -144,6 +149,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_seqs != md.block_tables.shape[0]:
         raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
                          f"for {md.block_tables.shape[0]} sequences")
+    if _use_cpu_kernel(q, k_cache):
+        # Reads K/V in place through the block tables: no gathered copy, no SDPA setup.
+        out = torch.empty_like(q)
+        _C.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                                  md.block_tables.numpy(), md.seq_lens.numpy(), out.numpy(), scale)
+        return out
+    return _gathered_decode_attention(q, k_cache, v_cache, md, scale)
+
+
+def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (CPU_DECODE_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32)
+
+
+def _gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The plain-torch decode path (CUDA, and CPU in other dtypes): gather, then SDPA."""
+    num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     blocks, mask = _decode_layout(md, k_cache.shape[1])

@@ -1,0 +1,74 @@
+// pybind11 entry for the CPU kernels: checks shapes, dtypes and block ids up front, so a
+// bad call raises a Python error instead of reading out of bounds, then drops the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "paged_attention.h"
+
+namespace py = pybind11;
+
+namespace deepinfer {
+
+namespace {
+
+using F32 = py::array_t<float, py::array::c_style>;
+using I32 = py::array_t<int32_t, py::array::c_style>;
+
+void require(bool ok, const std::string &what) {
+  if (!ok) throw py::value_error("paged_decode_attention: " + what);
+}
+
+PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
+                                 const I32 &seq_lens, const F32 &out) {
+  require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
+              block_tables.ndim() == 2 && seq_lens.ndim() == 1,
+          "want q/out [S, H, D], caches [blocks, block_size, Hkv, D], block_tables [S, n], seq_lens [S]");
+  PagedAttentionShape s{};
+  s.num_seqs = static_cast<int>(q.shape(0));
+  s.num_heads = static_cast<int>(q.shape(1));
+  s.head_dim = static_cast<int>(q.shape(2));
+  s.num_blocks = static_cast<int>(k_cache.shape(0));
+  s.block_size = static_cast<int>(k_cache.shape(1));
+  s.num_kv_heads = static_cast<int>(k_cache.shape(2));
+  s.max_blocks = static_cast<int>(block_tables.shape(1));
+  for (int d = 0; d < 4; ++d) require(k_cache.shape(d) == v_cache.shape(d), "k_cache and v_cache differ in shape");
+  for (int d = 0; d < 3; ++d) require(out.shape(d) == q.shape(d), "out must have q's shape");
+  require(k_cache.shape(3) == s.head_dim, "cache head_dim differs from q's");
+  require(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  require(block_tables.shape(0) == s.num_seqs && seq_lens.shape(0) == s.num_seqs,
+          "block_tables and seq_lens need one row per sequence");
+  require(out.writeable(), "out must be writable");
+  auto lens = seq_lens.unchecked<1>();
+  auto table = block_tables.unchecked<2>();
+  for (int i = 0; i < s.num_seqs; ++i) {
+    int len = lens(i);
+    require(len >= 1 && len <= s.max_blocks * s.block_size, "seq_len out of range for its block table");
+    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b)
+      require(table(i, b) >= 0 && table(i, b) < s.num_blocks, "block id outside the cache");
+  }
+  return s;
+}
+
+void paged_decode_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
+                               const I32 &seq_lens, F32 &out, float scale) {
+  PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, seq_lens, out);
+  float *dst = out.mutable_data();
+  py::gil_scoped_release release;  // the host thread keeps working while this runs
+  paged_decode_attention(s, q.data(), k_cache.data(), v_cache.data(), block_tables.data(), seq_lens.data(), scale,
+                         dst, 0, s.num_seqs);
+}
+
+}  // namespace
+
+void bind_kernels(py::module_ &m) {
+  m.def("paged_decode_attention", &paged_decode_attention_py, py::arg("q").noconvert(),
+        py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(),
+        py::arg("seq_lens").noconvert(), py::arg("out").noconvert(), py::arg("scale"),
+        "Decode attention (one query token per sequence) read in place from the paged KV cache.\n"
+        "q/out [S, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32,\n"
+        "block_tables [S, max_blocks] int32, seq_lens [S] int32; all C-contiguous.");
+}
+
+}  // namespace deepinfer

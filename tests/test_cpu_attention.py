@@ -1,0 +1,74 @@
+"""The C++ decode attention against the plain-torch gather + SDPA path, and its input checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_dp import _C
+from deepinfer_dp.layers import attention as A
+
+
+def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    seq_lens = torch.randint(1, 6 * block_size, (num_seqs,), generator=g, dtype=torch.int32)
+    max_blocks = int(-(-seq_lens.max() // block_size)) + 1  # one spare column of padding
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    for i in range(num_seqs):  # distinct blocks per sequence, never block 0
+        tables[i, : -(-int(seq_lens[i]) // block_size)] = torch.randperm(num_blocks - 1, generator=g)[
+            : -(-int(seq_lens[i]) // block_size)] + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(num_seqs, heads, head_dim, generator=g)
+    md = A.AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+                             block_tables=tables, query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+                             seq_lens=seq_lens, query_lens_host=[1] * num_seqs, seq_lens_host=seq_lens.tolist(),
+                             max_query_len=1, max_seq_len=int(seq_lens.max()))
+    return q, k_cache, v_cache, md
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),    # SmolLM2's shape (the AVX2 path)
+    (8, 8, 128, 4),    # no GQA, head size 128 (AVX2)
+    (4, 2, 40, 8),     # a head size without a vector path (portable loop)
+    (6, 1, 64, 32),    # all query heads on one KV head
+])
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
+    q, k_cache, v_cache, md = random_case(7, heads, kv_heads, head_dim, block_size)
+    scale = head_dim ** -0.5
+    expected = A._gathered_decode_attention(q, k_cache, v_cache, md, scale)
+    out = torch.empty_like(q)
+    _C.paged_decode_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
+                              md.seq_lens.numpy(), out.numpy(), scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    # decode_attention picks the kernel on CPU fp32 and gives the same
+    torch.testing.assert_close(A.decode_attention(q, k_cache, v_cache, md, scale), out, atol=0, rtol=0)
+
+
+def test_kernel_refuses_bad_inputs():
+    q, k_cache, v_cache, md = random_case(3, 4, 2, 64, 16)
+    args = [q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(), md.seq_lens.numpy(),
+            np.empty(q.shape, dtype=np.float32)]
+
+    def call(**changes):
+        names = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "out"]
+        given = [changes.get(n, a) for n, a in zip(names, args, strict=True)]
+        _C.paged_decode_attention(*given, 0.125)
+
+    call()  # the unchanged arguments are fine
+    bad_table = md.block_tables.numpy().copy()
+    bad_table[0, 0] = 64
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        call(block_tables=bad_table)
+    with pytest.raises(ValueError, match="seq_len out of range"):
+        call(seq_lens=np.full(3, 10_000, dtype=np.int32))
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        call(out=np.empty((3, 4, 32), dtype=np.float32))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        call(q=np.zeros((3, 3, 64), dtype=np.float32), out=np.zeros((3, 3, 64), dtype=np.float32))
+    with pytest.raises(TypeError):  # float64 is not silently copied
+        call(q=args[0].astype(np.float64))
+    with pytest.raises(TypeError):  # nor is a non-contiguous output (results would be lost)
+        call(out=np.empty((3, 64, 4), dtype=np.float32).transpose(0, 2, 1))
