@@ -110,7 +110,9 @@ def in_subprocess(side: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
            "--points", *map(str, args.points), "--device", args.device, "--dtype", args.dtype]
     cmd += (["--no-zos"] if args.no_zos else []) + (["--model", args.model] if args.model else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"the {side} run failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "paged_attention.h"
 
@@ -15,6 +17,9 @@ namespace {
 
 using F32 = py::array_t<float, py::array::c_style>;
 using I32 = py::array_t<int32_t, py::array::c_style>;
+
+// A thread costs tens of microseconds to start; a cached position about a fifth of one.
+constexpr int64_t kMinPositionsPerThread = 256;
 
 void require(bool ok, const std::string &what) {
   if (!ok) throw py::value_error("paged_decode_attention: " + what);
@@ -51,13 +56,38 @@ PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_
   return s;
 }
 
+// Cuts [0, n) into up to `parts` ranges [cuts[i], cuts[i + 1]) of about equal total length
+// (a sequence's work grows with its length), so the threads finish together; one range
+// when the batch is too small to pay for starting threads.
+std::vector<int> split_by_length(const int32_t *lens, int n, int parts) {
+  int64_t total = 0, seen = 0;
+  for (int i = 0; i < n; ++i) total += lens[i];
+  if (total < kMinPositionsPerThread * parts) parts = 1;
+  std::vector<int> cuts{0};
+  for (int i = 0; i < n && static_cast<int>(cuts.size()) < parts; ++i) {
+    seen += lens[i];
+    if (seen * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(i + 1);
+  }
+  cuts.push_back(n);
+  return cuts;
+}
+
 void paged_decode_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
-                               const I32 &seq_lens, F32 &out, float scale) {
+                               const I32 &seq_lens, F32 &out, float scale, int num_threads) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, seq_lens, out);
+  require(num_threads >= 1, "num_threads must be >= 1");
   float *dst = out.mutable_data();
+  const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
+  const int32_t *tables = block_tables.data(), *lens = seq_lens.data();
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  paged_decode_attention(s, q.data(), k_cache.data(), v_cache.data(), block_tables.data(), seq_lens.data(), scale,
-                         dst, 0, s.num_seqs);
+  std::vector<int> cuts = split_by_length(lens, s.num_seqs, num_threads);
+  std::vector<std::thread> helpers;
+  for (size_t c = 1; c + 1 < cuts.size(); ++c)
+    if (cuts[c] < cuts[c + 1])
+      helpers.emplace_back(paged_decode_attention, std::cref(s), qp, kp, vp, tables, lens, scale, dst, cuts[c],
+                         cuts[c + 1]);
+  paged_decode_attention(s, qp, kp, vp, tables, lens, scale, dst, cuts[0], cuts[1]);
+  for (auto &t : helpers) t.join();
 }
 
 }  // namespace
@@ -65,10 +95,11 @@ void paged_decode_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_ca
 void bind_kernels(py::module_ &m) {
   m.def("paged_decode_attention", &paged_decode_attention_py, py::arg("q").noconvert(),
         py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(),
-        py::arg("seq_lens").noconvert(), py::arg("out").noconvert(), py::arg("scale"),
+        py::arg("seq_lens").noconvert(), py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
         "Decode attention (one query token per sequence) read in place from the paged KV cache.\n"
         "q/out [S, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32,\n"
-        "block_tables [S, max_blocks] int32, seq_lens [S] int32; all C-contiguous.");
+        "block_tables [S, max_blocks] int32, seq_lens [S] int32; all C-contiguous. num_threads > 1 splits\n"
+        "the sequences across that many threads (the caller's and num_threads - 1 short-lived ones).");
 }
 
 }  // namespace deepinfer

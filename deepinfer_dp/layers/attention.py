@@ -153,7 +153,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # Reads K/V in place through the block tables: no gathered copy, no SDPA setup.
         out = torch.empty_like(q)
         _C.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                                  md.block_tables.numpy(), md.seq_lens.numpy(), out.numpy(), scale)
+                                  md.block_tables.numpy(), md.seq_lens.numpy(), out.numpy(), scale,
+                                  torch.get_num_threads())
         return out
     return _gathered_decode_attention(q, k_cache, v_cache, md, scale)
 
