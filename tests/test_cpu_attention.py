@@ -1,4 +1,5 @@
-"""The C++ decode attention against the plain-torch gather + SDPA path, and its input checks."""
+"""The C++ paged attention against the plain-torch paths (gather + SDPA for decode, the
+per-sequence SDPA loop for prefill), and its input checks."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
     scale = head_dim ** -0.5
     expected = A._gathered_decode_attention(q, k_cache, v_cache, md, scale)
     out = torch.empty_like(q)
-    _C.paged_decode_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
+    _C.paged_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
                               md.seq_lens.numpy(), out.numpy(), scale)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # decode_attention picks the kernel on CPU fp32 and gives the same
@@ -55,20 +56,52 @@ def test_kernel_refuses_bad_inputs():
     def call(**changes):
         names = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "out"]
         given = [changes.get(n, a) for n, a in zip(names, args, strict=True)]
-        _C.paged_decode_attention(*given, 0.125)
+        _C.paged_attention(*given, 0.125)
 
     call()  # the unchanged arguments are fine
     bad_table = md.block_tables.numpy().copy()
     bad_table[0, 0] = 64
     with pytest.raises(ValueError, match="block id outside the cache"):
         call(block_tables=bad_table)
-    with pytest.raises(ValueError, match="seq_len out of range"):
+    with pytest.raises(ValueError, match="context length out of range"):
         call(seq_lens=np.full(3, 10_000, dtype=np.int32))
     with pytest.raises(ValueError, match="out must have q's shape"):
         call(out=np.empty((3, 4, 32), dtype=np.float32))
     with pytest.raises(ValueError, match="multiple of KV heads"):
         call(q=np.zeros((3, 3, 64), dtype=np.float32), out=np.zeros((3, 3, 64), dtype=np.float32))
+    with pytest.raises(ValueError, match="one row per query"):
+        call(block_tables=args[3][:2])
     with pytest.raises(TypeError):  # float64 is not silently copied
         call(q=args[0].astype(np.float64))
     with pytest.raises(TypeError):  # nor is a non-contiguous output (results would be lost)
         call(out=np.empty((3, 64, 4), dtype=np.float32).transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("query_lens", [[3, 1, 7, 2], [1, 1, 1, 1], [5, 5, 5, 5]])
+def test_short_prefill_chunks_match_the_sdpa_loop(query_lens, monkeypatch):
+    """Chunks of a few tokens on top of cached context (prefix hits, chunked prefill): the
+    kernel, one query row per token, equals the per-sequence SDPA path."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    _, k_cache, v_cache, dmd = random_case(len(query_lens), heads, kv_heads, head_dim, block_size, seed=3)
+    seq_lens = [max(int(n), q) for n, q in zip(dmd.seq_lens, query_lens, strict=True)]
+    total = sum(query_lens)
+    q = torch.randn(total, heads, head_dim, generator=torch.Generator().manual_seed(4))
+    # the chunk's own K/V are in the cache already (store_kv runs first): take them from there
+    positions = [p for n, ql in zip(seq_lens, query_lens, strict=True) for p in range(n - ql, n)]
+    rows = [i for i, ql in enumerate(query_lens) for _ in range(ql)]
+    slots = [int(dmd.block_tables[r, p // block_size]) * block_size + p % block_size
+             for r, p in zip(rows, positions, strict=True)]
+    k = k_cache.view(-1, kv_heads, head_dim)[slots]
+    v = v_cache.view(-1, kv_heads, head_dim)[slots]
+    md = A.AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor(slots), block_tables=dmd.block_tables,
+                             query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_lens_host=query_lens,
+                             seq_lens_host=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    layer = A.Attention(heads, kv_heads, head_dim, head_dim ** -0.5, A.ForwardContext())
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    layer.context.attn_metadata = md
+    ours = layer(q, k, v)
+    monkeypatch.setattr(A, "CPU_KERNEL", False)
+    md.derived.clear()
+    expected = layer(q, k, v)
+    torch.testing.assert_close(ours, expected, atol=2e-6, rtol=1e-5)

@@ -2,7 +2,10 @@
 // bad call raises a Python error instead of reading out of bounds, then drops the GIL.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,16 +25,17 @@ using I32 = py::array_t<int32_t, py::array::c_style>;
 constexpr int64_t kMinPositionsPerThread = 256;
 
 void require(bool ok, const std::string &what) {
-  if (!ok) throw py::value_error("paged_decode_attention: " + what);
+  if (!ok) throw py::value_error("paged_attention: " + what);
 }
 
 PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
-                                 const I32 &seq_lens, const F32 &out) {
+                                 const I32 &context_lens, const F32 &out) {
   require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
-              block_tables.ndim() == 2 && seq_lens.ndim() == 1,
-          "want q/out [S, H, D], caches [blocks, block_size, Hkv, D], block_tables [S, n], seq_lens [S]");
+              block_tables.ndim() == 2 && context_lens.ndim() == 1,
+          "want q/out [T, H, D], caches [blocks, block_size, Hkv, D], block_tables [S, n], context_lens [T]");
   PagedAttentionShape s{};
-  s.num_seqs = static_cast<int>(q.shape(0));
+  s.num_queries = static_cast<int>(q.shape(0));
+  s.num_rows = static_cast<int>(block_tables.shape(0));
   s.num_heads = static_cast<int>(q.shape(1));
   s.head_dim = static_cast<int>(q.shape(2));
   s.num_blocks = static_cast<int>(k_cache.shape(0));
@@ -42,23 +46,32 @@ PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_
   for (int d = 0; d < 3; ++d) require(out.shape(d) == q.shape(d), "out must have q's shape");
   require(k_cache.shape(3) == s.head_dim, "cache head_dim differs from q's");
   require(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "query heads must be a multiple of KV heads");
-  require(block_tables.shape(0) == s.num_seqs && seq_lens.shape(0) == s.num_seqs,
-          "block_tables and seq_lens need one row per sequence");
+  require(context_lens.shape(0) == s.num_queries, "context_lens needs one entry per query");
   require(out.writeable(), "out must be writable");
-  auto lens = seq_lens.unchecked<1>();
-  auto table = block_tables.unchecked<2>();
-  for (int i = 0; i < s.num_seqs; ++i) {
-    int len = lens(i);
-    require(len >= 1 && len <= s.max_blocks * s.block_size, "seq_len out of range for its block table");
-    for (int b = 0; b < (len + s.block_size - 1) / s.block_size; ++b)
-      require(table(i, b) >= 0 && table(i, b) < s.num_blocks, "block id outside the cache");
-  }
   return s;
 }
 
+// Every query's context must lie in blocks of the cache: the longest context of each row
+// is checked against that row's block ids.
+void check_contexts(const PagedAttentionShape &s, const int32_t *block_tables, const int32_t *rows,
+                    const int32_t *lens) {
+  std::vector<int> longest(s.num_rows, 0);
+  for (int i = 0; i < s.num_queries; ++i) {
+    int r = rows ? rows[i] : i;
+    require(r >= 0 && r < s.num_rows, "query row outside the block table");
+    require(lens[i] >= 1 && lens[i] <= s.max_blocks * s.block_size, "context length out of range for its block table");
+    longest[r] = std::max(longest[r], lens[i]);
+  }
+  for (int r = 0; r < s.num_rows; ++r)
+    for (int b = 0; b < (longest[r] + s.block_size - 1) / s.block_size; ++b) {
+      int id = block_tables[static_cast<size_t>(r) * s.max_blocks + b];
+      require(id >= 0 && id < s.num_blocks, "block id outside the cache");
+    }
+}
+
 // Cuts [0, n) into up to `parts` ranges [cuts[i], cuts[i + 1]) of about equal total length
-// (a sequence's work grows with its length), so the threads finish together; one range
-// when the batch is too small to pay for starting threads.
+// (a query's work grows with its context), so the threads finish together; one range when
+// the batch is too small to pay for starting threads.
 std::vector<int> split_by_length(const int32_t *lens, int n, int parts) {
   int64_t total = 0, seen = 0;
   for (int i = 0; i < n; ++i) total += lens[i];
@@ -72,34 +85,45 @@ std::vector<int> split_by_length(const int32_t *lens, int n, int parts) {
   return cuts;
 }
 
-void paged_decode_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
-                               const I32 &seq_lens, F32 &out, float scale, int num_threads) {
-  PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, seq_lens, out);
+void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
+                        const I32 &context_lens, F32 &out, float scale, int num_threads,
+                        const std::optional<I32> &query_rows) {
+  PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
   require(num_threads >= 1, "num_threads must be >= 1");
+  const int32_t *rows = nullptr;
+  if (query_rows) {
+    require(query_rows->ndim() == 1 && query_rows->shape(0) == s.num_queries, "query_rows needs one entry per query");
+    rows = query_rows->data();
+  } else {
+    require(s.num_rows == s.num_queries, "without query_rows, block_tables needs one row per query");
+  }
+  const int32_t *tables = block_tables.data(), *lens = context_lens.data();
+  check_contexts(s, tables, rows, lens);
   float *dst = out.mutable_data();
   const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
-  const int32_t *tables = block_tables.data(), *lens = seq_lens.data();
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  std::vector<int> cuts = split_by_length(lens, s.num_seqs, num_threads);
+  std::vector<int> cuts = split_by_length(lens, s.num_queries, num_threads);
   std::vector<std::thread> helpers;
   for (size_t c = 1; c + 1 < cuts.size(); ++c)
     if (cuts[c] < cuts[c + 1])
-      helpers.emplace_back(paged_decode_attention, std::cref(s), qp, kp, vp, tables, lens, scale, dst, cuts[c],
-                         cuts[c + 1]);
-  paged_decode_attention(s, qp, kp, vp, tables, lens, scale, dst, cuts[0], cuts[1]);
+      helpers.emplace_back(paged_attention, std::cref(s), qp, kp, vp, tables, rows, lens, scale, dst, cuts[c],
+                           cuts[c + 1]);
+  paged_attention(s, qp, kp, vp, tables, rows, lens, scale, dst, cuts[0], cuts[1]);
   for (auto &t : helpers) t.join();
 }
 
 }  // namespace
 
 void bind_kernels(py::module_ &m) {
-  m.def("paged_decode_attention", &paged_decode_attention_py, py::arg("q").noconvert(),
-        py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(),
-        py::arg("seq_lens").noconvert(), py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
-        "Decode attention (one query token per sequence) read in place from the paged KV cache.\n"
-        "q/out [S, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32,\n"
-        "block_tables [S, max_blocks] int32, seq_lens [S] int32; all C-contiguous. num_threads > 1 splits\n"
-        "the sequences across that many threads (the caller's and num_threads - 1 short-lived ones).");
+  m.def("paged_attention", &paged_attention_py, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
+        py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
+        py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
+        py::arg("query_rows").noconvert() = py::none(),
+        "Attention of each query row over its own context, read in place from the paged KV cache.\n"
+        "q/out [T, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
+        "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
+        "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous.\n"
+        "num_threads > 1 splits the queries across that many threads (the caller's and short-lived ones).");
 }
 
 }  // namespace deepinfer

@@ -107,26 +107,27 @@ HeadFn pick_head_fn(int head_dim) {
 
 }  // namespace
 
-void paged_decode_attention(const PagedAttentionShape &s, const float *q, const float *k_cache,
-                            const float *v_cache, const int32_t *block_tables, const int32_t *seq_lens,
-                            float scale, float *out, int seq_begin, int seq_end) {
+void paged_attention(const PagedAttentionShape &s, const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, const int32_t *query_rows, const int32_t *context_lens,
+                     float scale, float *out, int begin, int end) {
   const int group = s.num_heads / s.num_kv_heads;
   const size_t D = s.head_dim;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
   const HeadFn fast = pick_head_fn(s.head_dim);
   std::vector<float> scores;
-  for (int i = seq_begin; i < seq_end; ++i) {
-    const int32_t *blocks = block_tables + static_cast<size_t>(i) * s.max_blocks;
-    scores.resize(seq_lens[i]);
+  for (int i = begin; i < end; ++i) {
+    const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
+    const int len = context_lens[i];
+    scores.resize(len);
     for (int h = 0; h < s.num_heads; ++h) {
       const size_t kv = static_cast<size_t>(h / group) * D;  // HF's repeat_kv: head h reads KV head h / group
       PagedRows k{k_cache + kv, blocks, s.block_size, row}, v{v_cache + kv, blocks, s.block_size, row};
       const float *qh = q + (static_cast<size_t>(i) * s.num_heads + h) * D;
       float *oh = out + (static_cast<size_t>(i) * s.num_heads + h) * D;
       if (fast)
-        fast(qh, k, v, seq_lens[i], scale, scores.data(), oh);
+        fast(qh, k, v, len, scale, scores.data(), oh);
       else
-        attend_head_scalar(qh, k, v, seq_lens[i], s.head_dim, scale, scores.data(), oh);
+        attend_head_scalar(qh, k, v, len, s.head_dim, scale, scores.data(), oh);
     }
   }
 }

@@ -12,14 +12,19 @@ context from the cache when a sequence has some (chunked prefill, prefix caching
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_dp import _C
 
-# The C++ in-place decode attention on CPU (fp32); False selects the gather + SDPA path.
-CPU_DECODE_KERNEL = True
+# The C++ paged attention on CPU (fp32) for decode and short prefill chunks; False selects
+# the gather + SDPA path everywhere.
+CPU_KERNEL = True
+# Prefill chunks of at most this many tokens per sequence use the kernel as well; longer ones
+# go to SDPA, whose matrix products win once queries are many.
+KERNEL_MAX_QUERY_LEN = 32
 
 
 @dataclass
@@ -77,6 +82,9 @@ class Attention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> torch.Tensor:
+        if _use_cpu_kernel(q, self.k_cache) and md.max_query_len <= KERNEL_MAX_QUERY_LEN:
+            rows, lens = prefill_queries(md)
+            return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
@@ -150,18 +158,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
                          f"for {md.block_tables.shape[0]} sequences")
     if _use_cpu_kernel(q, k_cache):
-        # Reads K/V in place through the block tables: no gathered copy, no SDPA setup.
-        out = torch.empty_like(q)
-        _C.paged_decode_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                                  md.block_tables.numpy(), md.seq_lens.numpy(), out.numpy(), scale,
-                                  torch.get_num_threads())
-        return out
+        return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale)
     return _gathered_decode_attention(q, k_cache, v_cache, md, scale)
 
 
 def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (CPU_DECODE_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
+    return (CPU_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
             and k_cache.dtype == torch.float32)
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float) -> torch.Tensor:
+    """The C++ kernel: each query row attends over its own context, read in place through
+    the block tables (no gathered copy, no per-sequence SDPA setup), on torch's threads."""
+    out = torch.empty_like(q)
+    _C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+                       context_lens, out.numpy(), scale, torch.get_num_threads(), query_rows)
+    return out
+
+
+def prefill_queries(md: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """Per prefill token: its sequence's block-table row, and how many positions it sees
+    (causal: the cached context before the chunk plus the chunk up to itself)."""
+    if "prefill_queries" not in md.derived:
+        qlens = np.asarray(md.query_lens_host, dtype=np.int64)
+        slens = np.asarray(md.seq_lens_host, dtype=np.int64)
+        rows = np.repeat(np.arange(qlens.size, dtype=np.int32), qlens)
+        first = np.repeat(np.cumsum(qlens) - qlens, qlens)  # each token's sequence's first row
+        lens = np.repeat(slens - qlens, qlens) + (np.arange(rows.size) - first) + 1
+        md.derived["prefill_queries"] = (rows, lens.astype(np.int32))
+    return md.derived["prefill_queries"]
 
 
 def _gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,6 +13,7 @@ from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.linear import pack_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
+from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
 
 
 @dataclass
@@ -43,6 +44,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_packed_weights:
             pack_linears(self.model, batch_hint=min(config.max_num_seqs, 64))
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
