@@ -105,3 +105,17 @@ def test_short_prefill_chunks_match_the_sdpa_loop(query_lens, monkeypatch):
     md.derived.clear()
     expected = layer(q, k, v)
     torch.testing.assert_close(ours, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_threads_split_the_batch_without_changing_results():
+    q, k_cache, v_cache, md = random_case(48, 9, 3, 64, 16, seed=5)  # ~2300 positions: worth 2 threads
+    assert int(md.seq_lens.sum()) >= 2 * 768
+
+    def run(threads: int) -> torch.Tensor:
+        out = torch.empty_like(q)
+        _C.paged_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
+                           md.seq_lens.numpy(), out.numpy(), 0.125, threads)
+        return out
+
+    one = run(1)
+    assert torch.equal(run(2), one) and torch.equal(run(5), one)
