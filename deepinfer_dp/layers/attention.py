@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers import cpu_threads
 
 # The C++ paged attention on CPU (fp32) for decode and short prefill chunks; False selects
 # the gather + SDPA path everywhere.
@@ -173,7 +174,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the block tables (no gathered copy, no per-sequence SDPA setup), on torch's threads."""
     out = torch.empty_like(q)
     _C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
-                       context_lens, out.numpy(), scale, torch.get_num_threads(), query_rows)
+                       context_lens, out.numpy(), scale, cpu_threads.wide_threads() or torch.get_num_threads(),
+                       query_rows)
     return out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_dp.layers import cpu_threads
+
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -31,8 +33,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias,
-                                                 "none", [], "")
+        with cpu_threads.wide():
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias,
+                                                     "none", [], "")
         return out.reshape(*shape[:-1], self.out_features)
 
 

@@ -3,6 +3,7 @@ returns the logits of the rows that sample. Owns the paged KV cache."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import pack_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
@@ -44,6 +46,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         dtype = next(self.model.parameters()).dtype
+        self.cpu_threads = torch.get_num_threads()  # as the engine set it
         if self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_packed_weights:
@@ -100,7 +103,13 @@ class ModelRunner:
             # Tokens the previous (deferred) step sampled, never read on the host yet.
             src = inp.inflight_src.long()
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
-        hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
-        if inp.sample_indices is None or inp.sample_indices.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[inp.sample_indices])
+        with self._thread_plan(input_ids.numel()):
+            hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
+            if inp.sample_indices is None or inp.sample_indices.numel() == 0:
+                return None
+            return self.model.compute_logits(hidden[inp.sample_indices])
+
+    def _thread_plan(self, num_tokens: int):
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        return narrow_step(self.cpu_threads, num_tokens)
