@@ -90,3 +90,4 @@ def test_flags_without_a_file_and_bad_flag_value():
     assert cfg.max_num_seqs == 4 and cfg.enable_prefix_caching is False and cfg.dp_size == 1
     with pytest.raises(ConfigError, match=r"^command line: invalid config: router.policy: "):
         _parse(["--router-policy", "fastest"])
+

@@ -35,8 +35,12 @@ class RankActor:
     def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
         from deepinfer_dp.cluster.rank import RankServer
         from deepinfer_dp.distributed import Lockstep, init_dp_groups
+        from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
         from deepinfer_dp.engine.llm_engine import LLMEngine
 
+        cpus = rank_cpus(self.dp_rank, self.world_size) if self.config.torch_device().type == "cpu" else None
+        if cpus is not None:  # before the engine starts its device and OpenMP threads
+            bind_this_process(cpus)
         engine = LLMEngine(self.config)  # load first: the group timeout should not count it
         groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
                                 engine.device, timeout_s)

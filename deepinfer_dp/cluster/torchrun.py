@@ -15,6 +15,7 @@ import torch
 
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.distributed import DPGroups, Lockstep, init_dp_groups_from_env, torchrun_env
+from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
 from deepinfer_dp.distributed.groups import DEFAULT_TIMEOUT_S, all_gather_json
 from deepinfer_dp.engine.llm_engine import LLMEngine
 
@@ -53,6 +54,11 @@ def build_torchrun_engine(config: EngineConfig) -> tuple[LLMEngine, TorchrunRank
                              f"or choose a device for every rank with device='cuda:0' or 'cpu'")
         device = f"cuda:{local_rank}"
     config = dataclasses.replace(config, dp_size=world, dp_rank=rank, device=device)
+    if config.torch_device().type == "cpu":
+        local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cpus = rank_cpus(*local)
+        if cpus is not None:  # before the engine starts its device and OpenMP threads
+            bind_this_process(cpus)
     timeout_s = float(os.environ.get("DEEPINFER_DP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     engine = LLMEngine(config)
     groups = init_dp_groups_from_env(engine.device, timeout_s)

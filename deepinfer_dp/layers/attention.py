@@ -5,9 +5,12 @@ token t of a sequence lives in block block_table[t // block_size] at offset
 t % block_size. Block 0 is a reserved dummy block: block tables are padded with it and the
 placeholder step writes to it.
 
-Decode is batched: one gather of every sequence's blocks and one SDPA call per layer, the
-padding masked by seq_lens. Prefill loops over sequences (few, long), reading earlier
-context from the cache when a sequence has some (chunked prefill, prefix caching).
+On CPU in fp32, decode and prefill chunks of a few tokens per sequence (prefix-cache hits,
+small prompts) go to a C++ kernel that reads K/V in place through the block tables, one
+query row per token, all sequences in one call. Elsewhere (CUDA, other dtypes) decode is
+one gather of every sequence's blocks and one SDPA call per layer, the padding masked by
+seq_lens; longer prefills loop over sequences (few, long) with SDPA, reading earlier context
+from the cache when a sequence has some (chunked prefill, prefix caching).
 """
 
 from dataclasses import dataclass, field
