@@ -196,7 +196,7 @@ def test_requests_arriving_while_a_wave_ends(ray_llm):
     router = ray_llm.llm_engine.router
     router.policy = RoundRobin()
     failures = router.group_failures
-    waves = [s["waves_run"] for s in ray_llm.rank_stats()]
+    waves = _settled_waves(ray_llm)
     done: queue.Queue = queue.Queue()
     for i in range(60):
         params = SamplingParams(temperature=0.0, max_tokens=1 + i % 3)
@@ -212,7 +212,19 @@ def test_requests_arriving_while_a_wave_ends(ray_llm):
     assert router.group_failures == failures
     assert all(s["up"] for s in stats)
     # The waves really ended between requests, and both ranks ran the same waves.
-    assert stats[0]["waves_run"] - waves[0] == stats[1]["waves_run"] - waves[1] > 5
+    after = _settled_waves(ray_llm)
+    assert after[0] - waves[0] == after[1] - waves[1] > 5
+
+
+def _settled_waves(llm, timeout_s: float = 20.0) -> list[int]:
+    """Every rank's waves_run once the ranks agree. A rank counts a wave when it leaves it,
+    after the final vote, so right after the last output arrives a rank may not have yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        waves = [s["waves_run"] for s in llm.rank_stats()]
+        if len(set(waves)) == 1 or time.monotonic() > deadline:
+            return waves
+        time.sleep(0.05)
 
 
 def test_engine_client_stream_and_early_close_aborts(ray_llm):
