@@ -134,3 +134,13 @@ def step_positions(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
     """Flattened positions of the tokens computed this step."""
     pos = [p for qlen, slen in zip(query_lens, seq_lens, strict=True) for p in range(slen - qlen, slen)]
     return torch.tensor(pos, dtype=torch.int64)
+
+
+def prompts_of_lengths(lengths: list[int], vocab: int = 400, offset: int = 3) -> list[list[int]]:
+    """Deterministic prompts of the given lengths whose token ids fit the tiny vocabulary."""
+    return [[offset + (i * 37 + j * 11) % (vocab - offset) for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def token_ids(results) -> list[list[int]]:
+    """Per prompt, the token ids of LLM.generate(..., decode_sequence=False) outputs."""
+    return [[o.token_id for o in outs] for outs in results]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import prompts_of_lengths, token_ids
 from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import LLM, SamplingParams
@@ -16,14 +17,6 @@ from deepinfer_dp import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def prompts_of_lengths(lengths: list[int], vocab: int = 400, offset: int = 3) -> list[list[int]]:
-    return [[offset + (i * 37 + j * 11) % (vocab - offset) for j in range(n)] for i, n in enumerate(lengths)]
-
-
-def token_ids(results) -> list[list[int]]:
-    return [[o.token_id for o in outs] for outs in results]
 
 
 def hf_greedy_cuda(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

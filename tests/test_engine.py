@@ -8,15 +8,12 @@ import sys
 
 import pytest
 import torch
+from model_utils import prompts_of_lengths, token_ids
 from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import _C, LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def prompts_of_lengths(lengths: list[int], vocab: int = 400, offset: int = 3) -> list[list[int]]:
-    return [[offset + (i * 37 + j * 11) % (vocab - offset) for j in range(n)] for i, n in enumerate(lengths)]
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -30,10 +27,6 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
                                  do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
-
-
-def token_ids(results) -> list[list[int]]:
-    return [[o.token_id for o in outs] for outs in results]
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-tied", "qwen2-bias", "qwen3-qknorm"])
