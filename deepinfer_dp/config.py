@@ -23,7 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     enable_prefix_caching: bool = True
     zos: bool = True  # zero-overhead scheduling: defer a decode step's post-processing
-    cpu_packed_weights: bool = True  # fp32 CPU: linear weights pre-packed for oneDNN (faster small-M GEMM)
+    cpu_linear_kernel: bool = True  # fp32 CPU: decode-sized matrix products through the C++ kernel
     seed: int = 0
     torch_threads: int | None = None  # None: leave torch's default
     dp_size: int = 1

@@ -7,10 +7,11 @@
 #include <algorithm>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "cpu_linear.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace py = pybind11;
 
@@ -104,13 +105,36 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
   const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
   py::gil_scoped_release release;  // the host thread keeps working while this runs
   std::vector<int> cuts = split_by_length(lens, s.num_queries, num_threads);
-  std::vector<std::thread> helpers;
-  for (size_t c = 1; c + 1 < cuts.size(); ++c)
-    if (cuts[c] < cuts[c + 1])
-      helpers.emplace_back(paged_attention, std::cref(s), qp, kp, vp, tables, rows, lens, scale, dst, cuts[c],
-                           cuts[c + 1]);
-  paged_attention(s, qp, kp, vp, tables, rows, lens, scale, dst, cuts[0], cuts[1]);
-  for (auto &t : helpers) t.join();
+  shared_pool(num_threads).run(static_cast<int>(cuts.size()) - 1, num_threads, [&](int c) {
+    paged_attention(s, qp, kp, vp, tables, rows, lens, scale, dst, cuts[c], cuts[c + 1]);
+  });
+}
+
+// Weights per thread below which splitting a matrix product is not worth waking a worker.
+constexpr int64_t kMinWeightsPerThread = 1 << 16;
+
+void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
+  auto need = [](bool ok, const std::string &what) {
+    if (!ok) throw py::value_error("linear: " + what);
+  };
+  need(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2, "want x [M, K], weight [N, K], out [M, N]");
+  const int M = static_cast<int>(x.shape(0)), K = static_cast<int>(x.shape(1)), N = static_cast<int>(weight.shape(0));
+  need(weight.shape(1) == K, "weight's K differs from x's");
+  need(out.shape(0) == M && out.shape(1) == N, "out must be [M, N]");
+  need(out.writeable(), "out must be writable");
+  need(!bias || (bias->ndim() == 1 && bias->shape(0) == N), "bias must be [N]");
+  need(num_threads >= 1, "num_threads must be >= 1");
+  const float *xp = x.data(), *wp = weight.data(), *bp = bias ? bias->data() : nullptr;
+  float *yp = out.mutable_data();
+  py::gil_scoped_release release;
+  const int64_t weights = static_cast<int64_t>(N) * K;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, weights / kMinWeightsPerThread)));
+  // Column ranges in multiples of 3, the kernel's tile height.
+  const int step = ((N + parts - 1) / parts + 2) / 3 * 3;
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
+    if (begin < end) linear_columns(xp, wp, bp, yp, M, N, K, begin, end);
+  });
 }
 
 }  // namespace
@@ -124,7 +148,11 @@ void bind_kernels(py::module_ &m) {
         "q/out [T, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
         "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
         "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous.\n"
-        "num_threads > 1 splits the queries across that many threads (the caller's and short-lived ones).");
+        "num_threads > 1 splits the queries across that many threads (the caller's and the pool's).");
+  m.def("linear", &linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
+        py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(), py::arg("num_threads") = 1,
+        "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]), float32, C-contiguous; for the small M of decode\n"
+        "steps. num_threads > 1 splits the output columns across the caller and the pool's workers.");
 }
 
 }  // namespace deepinfer

@@ -1,9 +1,13 @@
-"""Linear layers with weights pre-packed for oneDNN on CPU.
+"""fp32 linear layers on CPU: small batches through the C++ kernel, large ones through torch.
 
-A decode batch is a small-M matrix multiply (M = running sequences), where MKL's sgemm on
-a plain row-major weight runs at a fraction of the machine's speed. oneDNN with the weight
-reordered once into its blocked layout is 1.3-2x faster at M = 8..64 here (measured in
-benchmarks/offline_throughput.py's workload), with the same fp32 math up to rounding.
+A decode step is a matrix product with few rows (M = running sequences). There torch's
+GEMMs (MKL, or oneDNN with a pre-packed weight) either stream the weights without keeping
+the cores busy or pay an OpenMP fork and join per call; `_C.linear` reads each weight row
+once against all M rows, prefetches the next ones, and splits the columns over a pool of
+threads that stays awake between the layers. Measured in one engine process, interleaved
+(SmolLM2, decode steps): 8 sequences on 2 threads 71 ms against 112 ms with oneDNN packed,
+64 on 2 threads 261 against 288, 32 on 1 thread 216 against 230. Prefill chunks have many
+more rows, where torch's blocked GEMMs are faster; they keep using F.linear.
 """
 
 from __future__ import annotations
@@ -11,45 +15,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
 
+# Rows up to which the kernel is used (it ties with MKL near 64 rows on 2 threads and loses
+# from 128 on).
+KERNEL_MAX_ROWS = 64
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
+class CpuLinear(nn.Module):
+    """Drop-in for an fp32 nn.Linear on CPU, sharing its weight and bias tensors."""
 
-class PackedLinear(nn.Module):
-    """Drop-in for an fp32 nn.Linear on CPU; keeps only the packed weight."""
-
-    def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
-                             persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        with cpu_threads.wide():
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias,
-                                                     "none", [], "")
-        return out.reshape(*shape[:-1], self.out_features)
+        rows = x.numel() // self.in_features
+        if rows > KERNEL_MAX_ROWS:
+            with cpu_threads.wide():
+                return nn.functional.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        out = torch.empty(rows, self.out_features)
+        _C.linear(x2.numpy(), self.weight.numpy(), None if self.bias is None else self.bias.numpy(), out.numpy(),
+                  cpu_threads.wide_threads() or torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 64) -> int:
-    """Replaces every fp32 CPU nn.Linear in `model` by a PackedLinear; returns how many.
-    Tied weights stay tied where they are also used as a tensor (the embedding keeps its
-    own weight; the packed lm_head is a copy)."""
-    if not packing_available():
-        return 0
+def replace_linears(model: nn.Module) -> int:
+    """Replaces every fp32 CPU nn.Linear in `model` by a CpuLinear; returns how many. Tied
+    weights stay one tensor."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
-                    and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child, batch_hint))
+                    and child.weight.dtype == torch.float32 and child.weight.is_contiguous():
+                setattr(parent, name, CpuLinear(child))
                 count += 1
     return count

@@ -13,7 +13,7 @@ from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.cpu_threads import narrow_step
-from deepinfer_dp.layers.linear import pack_linears
+from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
 
@@ -49,8 +49,8 @@ class ModelRunner:
         self.cpu_threads = torch.get_num_threads()  # as the engine set it
         if self.device.type == "cpu":
             keep_freed_memory()
-        if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_packed_weights:
-            pack_linears(self.model, batch_hint=min(config.max_num_seqs, 64))
+        if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_linear_kernel:
+            replace_linears(self.model)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
 

@@ -1,0 +1,19 @@
+// fp32 y = x · wᵀ + b on CPU for the small row counts of decode steps. Each weight row is
+// read from memory once per call and used against every input row while it sits in the L1
+// cache, in register tiles of 3 weight rows x 4 input rows; the AVX2 path reaches the
+// machine's multiply-add rate from about 16 rows up, where oneDNN's blocked GEMM needs 64,
+// and at a few rows it is bound by streaming the weights, which it does across the threads.
+// Every output is the same sum in the same order whatever the row count or thread split, so
+// a sequence's logits do not depend on what else is in the batch.
+#pragma once
+
+#include <cstdint>
+
+namespace deepinfer {
+
+// x [M, K], w [N, K] (nn.Linear's layout), bias [N] or nullptr, y [M, N]; row-major fp32.
+// Computes the output columns [n_begin, n_end) only, so callers can split N across threads.
+void linear_columns(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n_begin,
+                    int n_end);
+
+}  // namespace deepinfer
