@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -103,6 +104,46 @@ def test_zos_decode_step_returns_previous_tokens_and_flush_returns_last(tiny_mod
     assert [(o.request_id, o.output_len) for o in engine.flush_inflight_reqs()] == [(rid, 4)]
     assert engine.flush_inflight_reqs() == []  # drained exactly once
     engine.abort_request(rid)
+
+
+def _gated_forward(engine, gate: threading.Event, done: list, fail: bool = False):
+    """Wraps the runner's forward so decode steps wait for `gate` (or raise)."""
+    inner = engine.worker.runner.forward
+
+    def forward(inp):
+        if not inp.attn_metadata.is_prefill:
+            gate.wait(timeout=30)
+            if fail:
+                raise RuntimeError("forward failed on purpose")
+        out = inner(inp)
+        done.append(True)
+        return out
+    engine.worker.runner.forward = forward
+
+
+def test_zos_decode_step_returns_while_its_forward_runs(tiny_model_dir):
+    # On CPU the host is free during a deferred step's forward (for the DP vote, scheduling).
+    engine = LLM(tiny_model_dir, zos=True).llm_engine
+    rid = engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()  # prefill
+    gate, done = threading.Event(), []
+    _gated_forward(engine, gate, done)
+    assert engine.step() == []
+    assert done == []  # returned with its forward still waiting at the gate
+    gate.set()
+    assert [(o.request_id, o.output_len) for o in engine.flush_inflight_reqs()] == [(rid, 2)]
+
+
+def test_error_in_a_deferred_forward_is_raised_not_lost(tiny_model_dir):
+    engine = LLM(tiny_model_dir, zos=True).llm_engine
+    engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    gate, done = threading.Event(), []
+    gate.set()
+    _gated_forward(engine, gate, done, fail=True)
+    engine.step()  # the failure is in flight
+    with pytest.raises(RuntimeError, match="on purpose"):
+        engine.flush_inflight_reqs()
 
 
 def test_zos_off_each_step_returns_its_own_tokens(tiny_model_dir):

@@ -18,7 +18,7 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch
-from deepinfer_dp.worker.model_runner import ModelRunner
+from deepinfer_dp.worker.model_runner import ModelInput, ModelRunner
 
 
 @dataclass
@@ -26,18 +26,21 @@ class StepState:
     """One executed step whose sampled tokens the host has not consumed yet."""
 
     sched_out: _C.SchedulerOutput
-    sampled: SamplerOutput | None  # None: nothing sampled (placeholder, mid-prompt chunks)
+    # None: nothing sampled (placeholder, mid-prompt chunks); on CPU a Future of the device
+    # thread until the host first needs the tokens
+    sampled: SamplerOutput | Future | None
     host_tokens: torch.Tensor | None = None  # CUDA: pinned copy, ready once `event` fires
     host_logprobs: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
 
     def tokens_and_logprobs(self) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.sampled is None:
+        sampled = self.sampled.result() if isinstance(self.sampled, Future) else self.sampled
+        if sampled is None:
             return np.empty(0, dtype=np.int64), None
         if self.event is not None:
             self.event.synchronize()  # waits for this step's sampling only, not later work
-        tokens = self.host_tokens if self.host_tokens is not None else self.sampled.token_ids
-        logprobs = self.host_logprobs if self.host_logprobs is not None else self.sampled.logprobs
+        tokens = self.host_tokens if self.host_tokens is not None else sampled.token_ids
+        logprobs = self.host_logprobs if self.host_logprobs is not None else sampled.logprobs
         return tokens.cpu().numpy(), None if logprobs is None else logprobs.cpu().numpy()
 
 
@@ -66,20 +69,21 @@ class Worker:
     def execute_model_step(self, sched_out: _C.SchedulerOutput) -> list:
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
-        prev_tokens = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
         if placeholder:
             model_input = self.runner.placeholder_input()
         else:
-            model_input = self.runner.prepare(sched_out, prev_tokens)
+            model_input = self.runner.prepare(sched_out, None)
         # 1. Forward current step
-        logits = self._on_device(self.runner.forward, model_input)
+        logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step
         self.prev_step_state = None
         outputs = self._post_process_step(prev)
         # 3. Sample current step (queued on the device after the forward)
         batch = self.host.sampling_batch(sched_out, self.runner.vocab_size) if sched_out.num_samples else None
-        sampled = self._on_device(self._sample, logits, batch)
-        curr = StepState(sched_out, sampled.result() if isinstance(sampled, Future) else sampled)
+        # On CPU a ZOS decode step returns while its forward still runs: the host goes on to
+        # the DP vote and the next schedule, and waits for these tokens only when it
+        # post-processes them, after the next forward is queued behind this one.
+        curr = StepState(sched_out, self._on_device(self._sample, logits, batch))
         # 4. Post-process current step, now or (ZOS decode) during the next step
         if sched_out.is_prompt or placeholder or not self.zos:
             outputs.extend(self._post_process_step(curr))
@@ -101,6 +105,11 @@ class Worker:
             return fn(*args)
         return self._device.submit(lambda: fn(*(a.result() if isinstance(a, Future) else a for a in args)))
 
+    def _forward(self, model_input: ModelInput, prev_sampled: SamplerOutput | None) -> torch.Tensor | None:
+        if prev_sampled is not None:  # ZOS: in-flight input tokens come from the previous step's sample
+            model_input.prev_tokens = prev_sampled.token_ids
+        return self.runner.forward(model_input)
+
     def _sample(self, logits: torch.Tensor | None, batch: SamplingBatch | None) -> SamplerOutput | None:
         if logits is None:
             return None
@@ -111,7 +120,7 @@ class Worker:
     def _stage_to_host(self, state: StepState) -> None:
         """CUDA: start the copy of the sampled ids to pinned host memory and mark it with an
         event, so the next step can read them without waiting for its own forward."""
-        if not self.on_cuda or state.sampled is None:
+        if not self.on_cuda or state.sampled is None:  # (on CUDA, never a Future)
             return
         state.host_tokens = state.sampled.token_ids.to("cpu", non_blocking=True)
         if state.sampled.logprobs is not None:
