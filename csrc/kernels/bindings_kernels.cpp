@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_fused_ops.h"
 #include "cpu_linear.h"
 #include "paged_attention.h"
 #include "thread_pool.h"
@@ -137,9 +138,62 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
   });
 }
 
+void need(bool ok, const char *op, const std::string &what) {
+  if (!ok) throw py::value_error(std::string(op) + ": " + what);
+}
+
+void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out) {
+  need(x.ndim() == 2 && out.ndim() == 2 && weight.ndim() == 1, "rms_norm", "want x/out [T, H], weight [H]");
+  const int T = static_cast<int>(x.shape(0)), H = static_cast<int>(x.shape(1));
+  need(weight.shape(0) == H && out.shape(0) == T && out.shape(1) == H, "rms_norm", "x, weight and out differ in size");
+  need(!residual || (residual->ndim() == 2 && residual->shape(0) == T && residual->shape(1) == H), "rms_norm",
+       "residual must have x's shape");
+  need(out.writeable() && (!residual || x.writeable()), "rms_norm", "out (and x, with a residual) must be writable");
+  float *xp = residual ? x.mutable_data() : const_cast<float *>(x.data());
+  const float *rp = residual ? residual->data() : nullptr, *wp = weight.data();
+  float *op = out.mutable_data();
+  py::gil_scoped_release release;
+  rms_norm_rows(xp, rp, wp, eps, op, H, 0, T);
+}
+
+void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
+  need(x.ndim() == 3 && cos.ndim() == 2 && sin.ndim() == 2, "rotary", "want x [T, heads, D], cos/sin [T, D]");
+  const int T = static_cast<int>(x.shape(0)), heads = static_cast<int>(x.shape(1)), D = static_cast<int>(x.shape(2));
+  const auto f = static_cast<py::ssize_t>(sizeof(float));
+  need(D % 2 == 0 && cos.shape(0) == T && cos.shape(1) == D && sin.shape(0) == T && sin.shape(1) == D, "rotary",
+       "cos and sin must be [T, D] with D even");
+  need(x.strides(2) == f && x.strides(1) == D * f && x.strides(0) % f == 0 && x.strides(0) >= heads * D * f,
+       "rotary", "x's heads must be contiguous (rows may be strided)");
+  need(x.writeable(), "rotary", "x must be writable");
+  float *xp = x.mutable_data();
+  const float *cp = cos.data(), *sp = sin.data();
+  py::gil_scoped_release release;
+  rotary_rows(xp, x.strides(0) / f, heads, D, cp, sp, 0, T);
+}
+
+py::array_t<int64_t> argmax_py(const F32 &x) {
+  need(x.ndim() == 2 && x.shape(1) > 0, "argmax", "want x [N, V] with V > 0");
+  const int N = static_cast<int>(x.shape(0)), V = static_cast<int>(x.shape(1));
+  py::array_t<int64_t> out(N);
+  int64_t *op = out.mutable_data();
+  const float *xp = x.data();
+  py::gil_scoped_release release;
+  argmax_rows(xp, V, op, 0, N);
+  return out;
+}
+
 }  // namespace
 
 void bind_kernels(py::module_ &m) {
+  m.def("rms_norm", &rms_norm_py, py::arg("x").noconvert(), py::arg("residual").noconvert(), py::arg("weight").noconvert(),
+        py::arg("eps"), py::arg("out").noconvert(),
+        "out = RMSNorm(x) * weight over rows of x [T, H] float32; with residual [T, H], x += residual first\n"
+        "(in place: the decoder's residual stream), then the norm of the sum.");
+  m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
+        "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"
+        "inside a fused qkv output) with cos/sin [T, D].");
+  m.def("argmax", &argmax_py, py::arg("x").noconvert(),
+        "Row-wise argmax of x [N, V] float32 as int64 [N] (first index on ties, first NaN if any).");
   m.def("paged_attention", &paged_attention_py, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,

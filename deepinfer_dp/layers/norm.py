@@ -1,7 +1,17 @@
-"""RMSNorm, computed in fp32 and cast back, the way Llama-family checkpoints were trained."""
+"""RMSNorm, computed in fp32 and cast back, the way Llama-family checkpoints were trained.
+
+On CPU in fp32 one C++ pass per row (`_C.rms_norm`) replaces torch's five ops, and folds in
+the residual add before it; elsewhere the torch ops below.
+"""
 
 import torch
 from torch import nn
+
+from deepinfer_dp import _C
+
+
+def _on_cpu_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -9,8 +19,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self._weight_np = None  # NumPy view of the weight for the CPU kernel, made on first use
+
+    def _weight_view(self):
+        w = self.weight
+        if self._weight_np is None or self._weight_np.ctypes.data != w.data_ptr():  # (re)loaded or moved
+            self._weight_np = w.detach().numpy()
+        return self._weight_np
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _on_cpu_kernel(x):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            out = torch.empty_like(rows)
+            _C.rms_norm(rows.numpy(), None, self._weight_view(), self.eps, out.numpy())
+            return out.view(x.shape)
         if x.dtype == torch.float32:  # one fused kernel, the same math as below
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -18,3 +40,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # Same order as transformers: cast back to the activation dtype, then scale.
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm). `x` must be a fresh tensor of the caller's: on CPU the
+        sum is written into it."""
+        if _on_cpu_kernel(x) and x.is_contiguous() and residual.is_contiguous():
+            rows, out = x.view(-1, x.shape[-1]), torch.empty_like(x)
+            _C.rms_norm(rows.numpy(), residual.view(rows.shape).numpy(), self._weight_view(), self.eps,
+                        out.view(rows.shape).numpy())
+            return x, out
+        total = x + residual
+        return total, self(total)

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from deepinfer_dp import _C
+
 
 def rope_parameters(config) -> dict:
     """The RoPE settings of a config, from either transformers 5 (`rope_parameters`)
@@ -82,10 +84,23 @@ class RotaryEmbedding(nn.Module):
         # Every layer of a step passes the same positions tensor: look the rows up once.
         if self._step_positions is not positions:
             cos_table, sin_table = self._cos_sin(q.device, q.dtype)
-            self._step_cos_sin = (cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1))  # [T, 1, D]
+            self._step_cos_sin = (cos_table[positions], sin_table[positions])  # [T, D]
             self._step_positions = positions
         cos, sin = self._step_cos_sin
+        if q.device.type == "cpu" and q.dtype == torch.float32:
+            # One C++ pass each, in place (q and k are fresh: views of this step's qkv output).
+            _C.rotary(_heads_view(q), cos.numpy(), sin.numpy())
+            _C.rotary(_heads_view(k), cos.numpy(), sin.numpy())
+            return q, k
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _heads_view(x: torch.Tensor):
+    """x [T, H, D] as a NumPy view for the kernel, which wants each row's heads contiguous."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"rotary: heads of q/k must be contiguous, got strides {x.stride()}")
+    return x.numpy()
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

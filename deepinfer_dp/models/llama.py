@@ -129,8 +129,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

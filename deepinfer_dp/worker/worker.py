@@ -114,6 +114,8 @@ class Worker:
         if logits is None:
             return None
         if batch is None:  # every row greedy and plain: the hot path
+            if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+                return SamplerOutput(token_ids=torch.from_numpy(_C.argmax(logits.numpy())), logprobs=None)
             return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
         return self.sampler(logits, batch)
 

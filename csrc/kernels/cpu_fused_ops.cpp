@@ -1,0 +1,130 @@
+#include "cpu_fused_ops.h"
+
+#include <cmath>
+#include <cstddef>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DEEPINFER_HAVE_AVX2 1
+#endif
+
+namespace deepinfer {
+
+namespace {
+
+#ifdef DEEPINFER_HAVE_AVX2
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+__attribute__((target("avx2"))) float sum_of_squares_avx2(const float *x, int h) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = 0.f;
+  for (float l : lanes) s += l;
+  for (; i < h; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// Per-lane running maximum and its index; NaN rows are left to the scalar loop.
+__attribute__((target("avx2"))) bool argmax_avx2(const float *x, int v, int64_t *out) {
+  if (v < 8 || v % 8) return false;
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i best_i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i idx = best_i;
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  for (int i = 8; i < v; i += 8) {
+    idx = _mm256_add_epi32(idx, eight);
+    const __m256 val = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
+    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);  // strictly greater: first index wins per lane
+    best = _mm256_blendv_ps(best, val, gt);
+    best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+  }
+  if (_mm256_movemask_ps(nan)) return false;
+  alignas(32) float vals[8];
+  alignas(32) int32_t ids[8];
+  _mm256_store_ps(vals, best);
+  _mm256_store_si256(reinterpret_cast<__m256i *>(ids), best_i);
+  int pick = 0;
+  for (int l = 1; l < 8; ++l)
+    if (vals[l] > vals[pick] || (vals[l] == vals[pick] && ids[l] < ids[pick])) pick = l;
+  *out = ids[pick];
+  return true;
+}
+#endif
+
+float sum_of_squares(const float *x, int h) {
+#ifdef DEEPINFER_HAVE_AVX2
+  if (cpu_has_avx2()) return sum_of_squares_avx2(x, h);
+#endif
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // the same partial sums as the AVX2 loop
+  int i = 0;
+  for (; i + 8 <= h; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += x[i + l] * x[i + l];
+  float s = 0.f;
+  for (float l : lanes) s += l;
+  for (; i < h; ++i) s += x[i] * x[i];
+  return s;
+}
+
+int64_t argmax_scalar(const float *x, int v) {
+  int64_t best = 0;
+  for (int i = 0; i < v; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+void rms_norm_rows(float *x, const float *residual, const float *weight, float eps, float *out, int h, int begin,
+                   int end) {
+  for (int t = begin; t < end; ++t) {
+    float *row = x + static_cast<size_t>(t) * h;
+    if (residual) {
+      const float *r = residual + static_cast<size_t>(t) * h;
+      for (int i = 0; i < h; ++i) row[i] = row[i] + r[i];
+    }
+    const float inv = 1.f / std::sqrt(sum_of_squares(row, h) / static_cast<float>(h) + eps);
+    float *o = out + static_cast<size_t>(t) * h;
+    for (int i = 0; i < h; ++i) o[i] = weight[i] * (row[i] * inv);
+  }
+}
+
+void rotary_rows(float *x, int64_t row_stride, int heads, int d, const float *cos, const float *sin, int begin,
+                 int end) {
+  const int half = d / 2;
+  for (int t = begin; t < end; ++t) {
+    const float *c = cos + static_cast<size_t>(t) * d, *s = sin + static_cast<size_t>(t) * d;
+    for (int hd = 0; hd < heads; ++hd) {
+      float *v = x + t * row_stride + static_cast<int64_t>(hd) * d;
+      for (int i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + (-b) * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+void argmax_rows(const float *x, int v, int64_t *out, int begin, int end) {
+  for (int t = begin; t < end; ++t) {
+    const float *row = x + static_cast<size_t>(t) * v;
+#ifdef DEEPINFER_HAVE_AVX2
+    if (cpu_has_avx2() && argmax_avx2(row, v, out + t)) continue;
+#endif
+    out[t] = argmax_scalar(row, v);
+  }
+}
+
+}  // namespace deepinfer

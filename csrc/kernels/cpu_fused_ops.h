@@ -1,0 +1,29 @@
+// The small per-layer ops of a CPU decode step, each one pass over its rows instead of the
+// four to eight torch ops (and their dispatch and temporaries) they replace: RMSNorm, with
+// the residual add folded in; RoPE applied in place; and greedy argmax over the logits.
+// Elementwise math follows transformers' order of operations, without fused multiply-adds
+// (the file is built with -ffp-contract=off), so RoPE matches torch exactly and RMSNorm up
+// to the order of its sum of squares.
+#pragma once
+
+#include <cstdint>
+
+namespace deepinfer {
+
+// out[t] = (x[t] * 1/sqrt(mean(x[t]^2) + eps)) * weight, for rows [begin, end) of width h.
+// With `residual` set, x[t] is first replaced by x[t] + residual[t] (written back to x),
+// the residual stream of a decoder layer.
+void rms_norm_rows(float *x, const float *residual, const float *weight, float eps, float *out, int h, int begin,
+                   int end);
+
+// RoPE in the rotate_half layout on `heads` heads of size d of each row t, in place:
+// x' = x * cos[t] + rotate_half(x) * sin[t]. Row t starts at x + t * row_stride; cos and sin
+// are [rows, d].
+void rotary_rows(float *x, int64_t row_stride, int heads, int d, const float *cos, const float *sin, int begin,
+                 int end);
+
+// Index of the largest value of each row of width v (the first one on ties; a row holding
+// NaN gives its first NaN, as torch.argmax does).
+void argmax_rows(const float *x, int v, int64_t *out, int begin, int end);
+
+}  // namespace deepinfer
