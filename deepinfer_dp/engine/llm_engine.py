@@ -175,7 +175,8 @@ class LLMEngine:
         s = self.scheduler
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
-                "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps, **s.stats}
+                "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
+                "device_busy_s": self.worker.device_busy_s, **s.stats}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -37,6 +37,8 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("step_time_seconds", "counter", "step_time_s", "Time spent in LLMEngine.step()."),
     ("placeholder_step_time_seconds", "counter", "placeholder_step_time_s",
      "Time spent in placeholder steps (part of step_time_seconds)."),
+    ("device_busy_seconds", "counter", "device_busy_s",
+     "CPU: time the rank's compute thread spent in forward passes and sampling."),
 ]
 
 

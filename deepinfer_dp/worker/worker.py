@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,6 +66,9 @@ class Worker:
         # post-processes; and only this thread owns an OpenMP team -- a second team (torch
         # ops on the host thread) would spin against it and slow both down several times.
         self._device = None if self.on_cuda else ThreadPoolExecutor(1, thread_name_prefix="device")
+        # CPU: seconds the device thread spent computing (forward and sampling). Against wall
+        # time it shows how much the host or the DP lockstep left the compute idle.
+        self.device_busy_s = 0.0
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput) -> list:
         placeholder = sched_out.is_empty()
@@ -103,7 +107,14 @@ class Worker:
         are resolved on the device thread, where that work has already finished."""
         if self._device is None:
             return fn(*args)
-        return self._device.submit(lambda: fn(*(a.result() if isinstance(a, Future) else a for a in args)))
+
+        def run():
+            start = time.perf_counter()
+            try:
+                return fn(*(a.result() if isinstance(a, Future) else a for a in args))
+            finally:
+                self.device_busy_s += time.perf_counter() - start
+        return self._device.submit(run)
 
     def _forward(self, model_input: ModelInput, prev_sampled: SamplerOutput | None) -> torch.Tensor | None:
         if prev_sampled is not None:  # ZOS: in-flight input tokens come from the previous step's sample
