@@ -142,8 +142,16 @@ def ray_llm(tiny_model_dir):
     llm.shutdown()
 
 
-def _steps(llm) -> list[tuple[int, int]]:
-    return [(s["generate_step"], s["placeholder_steps"]) for s in llm.rank_stats()]
+def _steps(llm, timeout_s: float = 20.0) -> list[tuple[int, int]]:
+    """(steps, placeholder steps) of every rank once their step counts agree: a rank that has
+    work may run one step ahead of its peer's vote, so right after the last output arrives
+    one rank may not have taken its final step yet. A real mismatch never settles."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        steps = [(s["generate_step"], s["placeholder_steps"]) for s in llm.rank_stats()]
+        if len({n for n, _ in steps}) == 1 or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("first_to_rank0", [8, 7])

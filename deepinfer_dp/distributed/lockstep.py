@@ -36,6 +36,7 @@ class Lockstep:
         self.allreduce_time_s = 0.0  # wall time inside the vote, waiting for peers included
         self.allreduce_wait_s = 0.0  # of which: until the last rank arrived (load imbalance)
         self.broken: LockstepError | None = None
+        self._pending: tuple | None = None  # (work, buffer, arrival) of a vote not waited for yet
 
     @property
     def rank(self) -> int:
@@ -46,22 +47,52 @@ class Lockstep:
         return self.groups.world_size
 
     def vote(self, local: bool) -> bool:
-        """True if this rank or any peer has unfinished work."""
+        """True if this rank or any peer has unfinished work.
+
+        On the CPU group, a rank that has work knows the answer (MAX) already: it starts the
+        collective and returns at once, and waits for it at its next vote. So a rank may run
+        one step ahead of a slower peer instead of idling at every step's jitter; the votes
+        still pair up one per step, so every rank takes the same number of steps, and a rank
+        without work (which needs the answer) waits for it."""
         if self.broken is not None:
             raise self.broken
         start = time.perf_counter()
-        arrival_us = time.monotonic_ns() // 1000
-        self._buf.copy_(torch.tensor([int(local), arrival_us]))
         try:
-            dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
-            unfinished, last_arrival_us = self._buf.tolist()
+            self._finish_pending()
+            arrival_us = time.monotonic_ns() // 1000
+            ahead = local and self.use_cpu_group
+            buf = torch.tensor([int(local), arrival_us]) if self.use_cpu_group else self._buf
+            if not self.use_cpu_group:
+                buf.copy_(torch.tensor([int(local), arrival_us]))
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=ahead)
+            if ahead:
+                self._pending = (work, buf, arrival_us)
+                unfinished = True
+            else:
+                unfinished = self._record(buf, arrival_us)
         except (RuntimeError, dist.DistError) as e:
             self.broken = self._error(e, time.perf_counter() - start)
             raise self.broken from e
-        self.allreduce_time_s += time.perf_counter() - start
-        self.allreduce_wait_s += (last_arrival_us - arrival_us) / 1e6
-        self.num_votes += 1
+        finally:
+            self.allreduce_time_s += time.perf_counter() - start
         return bool(unfinished)
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            work, buf, _ = self._pending
+            self._pending = None
+            start = time.perf_counter()
+            work.wait()  # raises on the group's timeout
+            # Blocked here only while a peer has not voted yet: that is this vote's wait.
+            self.allreduce_wait_s += time.perf_counter() - start
+            self._record(buf, None)
+
+    def _record(self, buf: torch.Tensor, arrival_us: int | None) -> int:
+        unfinished, last_arrival_us = buf.tolist()
+        if arrival_us is not None:  # a blocking vote waited until the last rank arrived
+            self.allreduce_wait_s += (last_arrival_us - arrival_us) / 1e6
+        self.num_votes += 1
+        return unfinished
 
     def _error(self, cause: Exception, waited_s: float) -> LockstepError:
         g = self.groups
