@@ -61,9 +61,8 @@ class Lockstep:
             self._finish_pending()
             arrival_us = time.monotonic_ns() // 1000
             ahead = local and self.use_cpu_group
-            buf = torch.tensor([int(local), arrival_us]) if self.use_cpu_group else self._buf
-            if not self.use_cpu_group:
-                buf.copy_(torch.tensor([int(local), arrival_us]))
+            values = torch.tensor([int(local), arrival_us])  # a fresh buffer: a vote may be in flight
+            buf = values if self.use_cpu_group else self._buf.copy_(values)
             work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=ahead)
             if ahead:
                 self._pending = (work, buf, arrival_us)
