@@ -36,18 +36,31 @@ __attribute__((target("avx2,fma"), always_inline)) inline float sum8(__m256 a) {
   return _mm_cvtss_f32(h);
 }
 
+// Which cache lines of the next weight rows a pass over K prefetches: every `stride`-th one
+// from `phase` on. The passes of one tile row (one per 4 input rows) split the lines among
+// them, so the loads stay spread over the whole computation instead of bursting in the
+// first pass beyond what the core can have in flight and then leaving memory idle.
+struct Prefetch {
+  const float *next;  // nullptr: nothing to prefetch
+  int phase, stride;
+};
+
 // NB weight rows against MB input rows over the whole of K: NB x MB accumulators of 8 lanes,
 // each weight vector loaded once and used MB times, each input vector used NB times.
 template <int NB, int MB>
 __attribute__((target("avx2,fma"), always_inline)) inline void tile(const float *w, const float *x,
                                                                     const float *bias, float *y, int N, int K,
-                                                                    const float *next) {
+                                                                    Prefetch pf) {
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int skip = pf.phase;  // lines to pass over before this pass's next prefetch
   for (int k = 0; k < K; k += 8) {
-    if (next && k % 16 == 0)
-      for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char *>(next + static_cast<size_t>(i) * K + k), _MM_HINT_T0);
+    if (pf.next && k % 16 == 0 && skip-- == 0) {
+      skip = pf.stride - 1;
+      for (int i = 0; i < NB; ++i)
+        _mm_prefetch(reinterpret_cast<const char *>(pf.next + static_cast<size_t>(i) * K + k), _MM_HINT_T0);
+    }
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) wv[i] = _mm256_loadu_ps(w + static_cast<size_t>(i) * K + k);
     for (int j = 0; j < MB; ++j) {
@@ -66,15 +79,18 @@ __attribute__((target("avx2,fma"), always_inline)) inline void tile(const float 
 template <int NB>
 __attribute__((target("avx2,fma"))) void rows_against_inputs(const float *w, const float *x, const float *bias,
                                                              float *y, int M, int N, int K, const float *next) {
-  int m = 0;
-  for (; m + 4 <= M; m += 4, next = nullptr)
-    tile<NB, 4>(w, x + static_cast<size_t>(m) * K, bias, y + static_cast<size_t>(m) * N, N, K, next);
+  const int passes = (M + 3) / 4;
+  int m = 0, pass = 0;
+  for (; m + 4 <= M; m += 4, ++pass)
+    tile<NB, 4>(w, x + static_cast<size_t>(m) * K, bias, y + static_cast<size_t>(m) * N, N, K,
+                Prefetch{next, pass, passes});
   const float *xm = x + static_cast<size_t>(m) * K;
   float *ym = y + static_cast<size_t>(m) * N;
+  const Prefetch last{next, pass, passes};
   switch (M - m) {
-    case 3: tile<NB, 3>(w, xm, bias, ym, N, K, next); break;
-    case 2: tile<NB, 2>(w, xm, bias, ym, N, K, next); break;
-    case 1: tile<NB, 1>(w, xm, bias, ym, N, K, next); break;
+    case 3: tile<NB, 3>(w, xm, bias, ym, N, K, last); break;
+    case 2: tile<NB, 2>(w, xm, bias, ym, N, K, last); break;
+    case 1: tile<NB, 1>(w, xm, bias, ym, N, K, last); break;
     default: break;
   }
 }
