@@ -105,7 +105,8 @@ def report(sides: dict, args) -> None:
               f"placeholder steps {share('placeholder_step_time_s')}")
         # A ZOS decode step returns while its forward runs, so most of the vote's wait for the
         # slower rank overlaps this rank's own compute; what it really costs is compute idle.
-        print(f"    compute thread busy {share('device_busy_s')}; idle {100 - 100 * r['device_busy_s'] / loop:.2f}% "
+        idle = max(0.0, 100 - 100 * r["device_busy_s"] / loop)  # the last forward may end after the loop
+        print(f"    compute thread busy {share('device_busy_s')}; idle {idle:.2f}% "
               f"(waiting for the slower rank, host work not overlapped); "
               f"host thread in the vote {r['allreduce_wait_s']:.2f} s")
 
