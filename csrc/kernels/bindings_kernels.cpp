@@ -27,9 +27,12 @@ using I32 = py::array_t<int32_t, py::array::c_style>;
 // sequences of ~150 positions (SmolLM2, 2 cores) two threads took 4 ms a step against 6.
 constexpr int64_t kMinPositionsPerThread = 128;
 
-void require(bool ok, const std::string &what) {
-  if (!ok) throw py::value_error("paged_attention: " + what);
+// Every check raises ValueError("<op>: <what was wrong>").
+void need(bool ok, const char *op, const std::string &what) {
+  if (!ok) throw py::value_error(std::string(op) + ": " + what);
 }
+
+void require(bool ok, const std::string &what) { need(ok, "paged_attention", what); }
 
 PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
                                  const I32 &context_lens, const F32 &out) {
@@ -115,16 +118,14 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
 constexpr int64_t kMinWeightsPerThread = 1 << 16;
 
 void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
-  auto need = [](bool ok, const std::string &what) {
-    if (!ok) throw py::value_error("linear: " + what);
-  };
-  need(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2, "want x [M, K], weight [N, K], out [M, N]");
+  auto check = [](bool ok, const std::string &what) { need(ok, "linear", what); };
+  check(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2, "want x [M, K], weight [N, K], out [M, N]");
   const int M = static_cast<int>(x.shape(0)), K = static_cast<int>(x.shape(1)), N = static_cast<int>(weight.shape(0));
-  need(weight.shape(1) == K, "weight's K differs from x's");
-  need(out.shape(0) == M && out.shape(1) == N, "out must be [M, N]");
-  need(out.writeable(), "out must be writable");
-  need(!bias || (bias->ndim() == 1 && bias->shape(0) == N), "bias must be [N]");
-  need(num_threads >= 1, "num_threads must be >= 1");
+  check(weight.shape(1) == K, "weight's K differs from x's");
+  check(out.shape(0) == M && out.shape(1) == N, "out must be [M, N]");
+  check(out.writeable(), "out must be writable");
+  check(!bias || (bias->ndim() == 1 && bias->shape(0) == N), "bias must be [N]");
+  check(num_threads >= 1, "num_threads must be >= 1");
   const float *xp = x.data(), *wp = weight.data(), *bp = bias ? bias->data() : nullptr;
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
@@ -136,10 +137,6 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
     const int begin = std::min(N, p * step), end = std::min(N, begin + step);
     if (begin < end) linear_columns(xp, wp, bp, yp, M, N, K, begin, end);
   });
-}
-
-void need(bool ok, const char *op, const std::string &what) {
-  if (!ok) throw py::value_error(std::string(op) + ": " + what);
 }
 
 void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out) {
