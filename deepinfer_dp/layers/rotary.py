@@ -89,8 +89,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._step_cos_sin
         if q.device.type == "cpu" and q.dtype == torch.float32:
             # One C++ pass each, in place (q and k are fresh: views of this step's qkv output).
-            _C.rotary(_heads_view(q), cos.numpy(), sin.numpy())
-            _C.rotary(_heads_view(k), cos.numpy(), sin.numpy())
+            cos_np, sin_np = cos.numpy(), sin.numpy()
+            _C.rotary(_heads_view(q), cos_np, sin_np)
+            _C.rotary(_heads_view(k), cos_np, sin_np)
             return q, k
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         return _apply(q, cos, sin), _apply(k, cos, sin)
