@@ -16,12 +16,20 @@ using namespace deepinfer;
 
 namespace {
 
-// A NumPy view of `v` whose lifetime is tied to `owner`. It stays writable so that
-// torch.from_numpy can wrap it without a copy; the step's arrays are the worker's to use.
+// A read-only NumPy view of `v` whose lifetime is tied to `owner`. Read-only because the
+// scheduler reads a batch back when it post-processes it; NumPy refuses to make it writable
+// again, since `owner` exposes no writable buffer.
 template <typename T>
 py::array view(const std::vector<T> &v, py::handle owner, std::vector<py::ssize_t> shape = {}) {
   if (shape.empty()) shape = {static_cast<py::ssize_t>(v.size())};
-  return py::array_t<T>(shape, v.data(), owner);
+  py::array_t<T> a(shape, v.data(), owner);
+  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return a;
+}
+
+py::object last_token_or_none(const RequestOutputData &d) {
+  // A final output made by abort()/finish_request() carries no new token.
+  return d.token_ids.empty() ? py::object(py::none()) : py::object(py::int_(d.token_ids.back()));
 }
 
 py::object logprob_or_none(const RequestOutputData &d) {
@@ -69,7 +77,7 @@ void bind_sequence(py::module_ &m) {
       .def_readonly("seq_id", &Sequence::seq_id)
       .def_readonly("request_id", &Sequence::request_id)
       .def_readonly("data", &Sequence::data, py::return_value_policy::reference_internal)
-      .def_readonly("limits", &Sequence::limits)
+      .def_property_readonly("limits", [](const Sequence &s) { return s.limits; })  // a copy: limits are fixed
       .def_readonly("status", &Sequence::status)
       .def_property_readonly("finish_reason", [](const Sequence &s) { return finish_reason_name(s.status); })
       .def_property_readonly("is_finished", &Sequence::is_finished)
@@ -89,7 +97,7 @@ void bind_outputs(py::module_ &m) {
       .def_property_readonly("request_id", [](const RequestOutput &o) { return o.data().request_id; })
       .def_property_readonly("seq_id", [](const RequestOutput &o) { return o.data().seq_id; })
       .def_property_readonly("token_ids", [](const RequestOutput &o) { return o.data().token_ids; })
-      .def_property_readonly("token_id", [](const RequestOutput &o) { return o.data().token_ids.back(); })
+      .def_property_readonly("token_id", [](const RequestOutput &o) { return last_token_or_none(o.data()); })
       .def_property_readonly("finished", [](const RequestOutput &o) { return o.data().finished; })
       .def_property_readonly("status", [](const RequestOutput &o) { return o.data().status; })
       .def_property_readonly("finish_reason",
@@ -103,12 +111,19 @@ void bind_outputs(py::module_ &m) {
       .def_property_readonly("is_valid", &RequestOutput::is_valid)
       .def_property_readonly("is_pooled", &RequestOutput::is_pooled)
       .def("clone", &RequestOutput::clone, "An owned copy that stays valid after the pool is released.")
-      .def("clone_finished", &RequestOutput::clone_finished, py::arg("status"),
+      .def("clone_finished",
+           [](const RequestOutput &o, SequenceStatus status) {
+             if (!is_finished_status(status))
+               throw py::value_error("clone_finished: status must be a finished one (FINISHED_*)");
+             return o.clone_finished(status);
+           },
+           py::arg("status"),
            "An owned copy marked finished with `status` (e.g. a stop string matched).")
       .def("__repr__", [](const RequestOutput &o) {
         if (!o.is_valid()) return std::string("RequestOutput(<released>)");
         const auto &d = o.data();
-        return "RequestOutput(request_id='" + d.request_id + "', token_id=" + std::to_string(d.token_ids.back()) +
+        const std::string token = py::repr(last_token_or_none(d));
+        return "RequestOutput(request_id='" + d.request_id + "', token_id=" + token +
                ", finished=" + (d.finished ? "True" : "False") + ", finish_reason='" + finish_reason_name(d.status) +
                "', output_len=" + std::to_string(d.output_len) + ")";
       });
@@ -208,8 +223,11 @@ void bind_scheduler(py::module_ &m) {
             return s.process_outputs(out, tokens.data(), static_cast<size_t>(tokens.size()), lp);
           },
           py::arg("scheduler_output"), py::arg("sampled_token_ids"), py::arg("logprobs") = py::none())
-      .def("abort", &Scheduler::abort, py::arg("request_id"))
-      .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("status"))
+      .def("abort", &Scheduler::abort, py::arg("request_id"),
+           "Aborts the request and frees its blocks; returns its final output (finished, reason 'abort', no\n"
+           "new token; pooled until the next schedule), or None if no unfinished request has this id.")
+      .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("status"),
+           "Like abort, with another finished status (a stop string matched outside the scheduler).")
       .def("release_outputs", &Scheduler::release_outputs)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))
@@ -223,8 +241,19 @@ void bind_scheduler(py::module_ &m) {
                                const auto &b = s.block_manager();
                                return 1.0 - static_cast<double>(b.num_free_blocks()) / b.num_usable_blocks();
                              })
-      .def("block_ref_count", [](const Scheduler &s, int b) { return s.block_manager().ref_count(b); })
+      .def("block_ref_count",
+           [](const Scheduler &s, int b) {
+             const int n = s.block_manager().num_blocks();
+             if (b < 0 || b >= n)
+               throw py::index_error("block_ref_count: block " + std::to_string(b) + " is outside [0, " +
+                                     std::to_string(n) + ")");
+             return s.block_manager().ref_count(b);
+           },
+           py::arg("block"))
       .def_property_readonly("config", &Scheduler::config)
+      .def_property_readonly("max_seq_len", &Scheduler::max_seq_len,
+                             "The longest a sequence may grow: max_model_len, or what the whole KV cache holds "
+                             "(plus the last sampled token) if less.")
       .def_property_readonly("step_id", &Scheduler::step_id)
       .def_property_readonly("stats", [](const Scheduler &s) {
         const auto &st = s.stats();

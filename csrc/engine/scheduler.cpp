@@ -17,52 +17,22 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig &config)
-    : config_(config),
+    : config_(checked(config)),
+      max_seq_len_(static_cast<int>(std::min<int64_t>(
+          config.max_model_len, static_cast<int64_t>(config.num_blocks - 1) * config.block_size + 1))),
+      uid_(next_scheduler_uid()),
       blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
-      pool_(std::make_shared<RequestOutputPool>()) {
-  if (config.block_size <= 0 || config.num_blocks < 2 || config.max_num_seqs < 1 ||
-      config.max_num_batched_tokens < 1 || config.max_model_len < 2 || config.vocab_size < 1)
-    throw std::invalid_argument(
-        "SchedulerConfig: block_size, max_num_seqs, max_num_batched_tokens and vocab_size must be "
-        "positive, num_blocks >= 2 (block 0 is reserved) and max_model_len >= 2");
-}
-
-void Scheduler::validate(const Sequence &seq) const {
-  const std::string who = "request '" + seq.request_id + "': ";
-  const auto &tokens = seq.data.get_token_ids();
-  if (tokens.empty()) throw std::invalid_argument(who + "the prompt is empty");
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
-      throw std::invalid_argument(who + "token id " + std::to_string(tokens[i]) + " at position " +
-                                  std::to_string(i) + " is outside the vocabulary [0, " +
-                                  std::to_string(config_.vocab_size) + ")");
-  }
-  if (seq.limits.max_tokens < 1)
-    throw std::invalid_argument(who + "max_tokens must be at least 1, got " + std::to_string(seq.limits.max_tokens));
-  if (seq.limits.min_tokens < 0 || seq.limits.min_tokens > seq.limits.max_tokens)
-    throw std::invalid_argument(who + "min_tokens must be in [0, max_tokens], got " +
-                                std::to_string(seq.limits.min_tokens));
-  int len = seq.data.get_len();
-  if (len >= config_.max_model_len)
-    throw std::invalid_argument(who + "the prompt has " + std::to_string(len) +
-                                " tokens but the context length is " + std::to_string(config_.max_model_len) +
-                                ", which leaves no room to generate");
-  int need = ceil_div(len + 1, config_.block_size);
-  if (need > blocks_.num_usable_blocks())
-    throw std::invalid_argument(who + "the prompt needs " + std::to_string(need) +
-                                " KV cache blocks but the whole cache holds " +
-                                std::to_string(blocks_.num_usable_blocks()));
-  if (by_request_.count(seq.request_id))
-    throw std::invalid_argument(who + "a request with this id is already in the scheduler");
-}
+      pool_(std::make_shared<RequestOutputPool>()) {}
 
 void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
+  if (!seq) throw std::invalid_argument("add_sequence: seq is None");
   validate(*seq);
   seq->seq_id = next_seq_id_++;
   seq->arrival_time = now_seconds();
   seq->status = SequenceStatus::WAITING;
   // Host-side capacity only; KV blocks are a scheduling decision made later.
-  int final_len = std::min(seq->data.get_len() + seq->limits.max_tokens, config_.max_model_len);
+  int final_len = static_cast<int>(
+      std::min<int64_t>(static_cast<int64_t>(seq->data.get_len()) + seq->limits.max_tokens, max_seq_len_));
   seq->data.reserve(final_len);
   seq->block_table.reserve(ceil_div(final_len, config_.block_size));
   waiting_.push_back(seq);
@@ -86,6 +56,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   pool_->release_all();
   drop_finished();
   auto out = std::make_shared<SchedulerOutput>();
+  out->scheduler_uid = uid_;
   out->step_id = ++step_id_;
   out->block_size = config_.block_size;
   reserve_batch(*out);
@@ -116,7 +87,7 @@ bool Scheduler::schedule_prefills(SchedulerOutput &out) {
   for (const auto &seq : running_) {
     if (budget <= 0) break;
     int remaining = seq->num_uncomputed();
-    if (remaining <= 1 || seq->done_by_length(config_.max_model_len)) continue;  // decode-ready
+    if (remaining <= 1 || seq->done_by_length(max_seq_len_)) continue;  // decode-ready
     int chunk = std::min(remaining, budget);
     if (!blocks_.allocate_up_to(*seq, seq->num_computed + chunk)) continue;
     add_to_batch(out, seq, chunk);
@@ -133,7 +104,7 @@ bool Scheduler::schedule_prefills(SchedulerOutput &out) {
 // system prompt compute it once instead of N times.
 bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
   int active = 0;
-  for (const auto &s : running_) active += s->done_by_length(config_.max_model_len) ? 0 : 1;
+  for (const auto &s : running_) active += s->done_by_length(max_seq_len_) ? 0 : 1;
   std::unordered_set<uint64_t> computing;  // first uncached block of each prompt admitted now
   bool admitted = false;
   size_t i = 0;
@@ -141,11 +112,11 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
     auto seq = waiting_[i];
     if (seq->num_pending > 0) break;  // its newest token is still in flight; keep FCFS order
     int total = seq->total_len();
-    if (ceil_div(total + 1, config_.block_size) > blocks_.num_usable_blocks()) {
-      finish(*seq, SequenceStatus::FINISHED_LENGTH);  // grew past what the whole cache holds
-      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      continue;
-    }
+    // Cannot happen: a sequence finishes ("length") when it reaches max_seq_len_, which the
+    // whole cache holds. Were it broken, the queue would wait forever: say so instead.
+    if (ceil_div(total, config_.block_size) > blocks_.num_usable_blocks())
+      throw std::logic_error("scheduler: request '" + seq->request_id + "' has " + std::to_string(total) +
+                             " tokens, more than the whole KV cache holds");
     int max_hit_blocks = (total - 1) / config_.block_size;  // always compute the last token
     // Take the cached prefix now (it may consume free blocks), give it back if the rest won't fit.
     int cached = blocks_.take_prefix(*seq, max_hit_blocks) * config_.block_size;
@@ -179,20 +150,18 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
 }
 
 // A decode batch: one token for every running sequence; when a block is short, preempt
-// the most recently admitted running sequence (possibly this one) by recompute.
+// the most recently admitted running sequence (possibly this one) by recompute. A sequence
+// alone always finds room: it never grows past max_seq_len_, which the whole cache holds.
 void Scheduler::schedule_decodes(SchedulerOutput &out) {
   int budget = config_.max_num_batched_tokens;
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     auto seq = running_[i];
-    if (seq->is_finished() || seq->done_by_length(config_.max_model_len) || seq->num_uncomputed() != 1) continue;
+    if (seq->is_finished() || seq->done_by_length(max_seq_len_) || seq->num_uncomputed() != 1 ||
+        !can_feed_inflight(*seq))
+      continue;
     bool scheduled = true;
     while (!blocks_.allocate_up_to(*seq, seq->num_computed + 1)) {
       auto victim = running_.back();
-      if (victim == seq && running_.size() == 1) {
-        finish(*seq, SequenceStatus::FINISHED_LENGTH);  // alone and still no room: the cache is full
-        scheduled = false;
-        break;
-      }
       running_.pop_back();
       preempt(victim);
       if (victim == seq) {
@@ -204,6 +173,12 @@ void Scheduler::schedule_decodes(SchedulerOutput &out) {
     add_to_batch(out, seq, 1);
     --budget;
   }
+}
+
+// A token still in flight can be fed only from the step just before this one (the worker
+// takes it from that step's samples on the device); an older one must be processed first.
+bool Scheduler::can_feed_inflight(const Sequence &seq) const {
+  return seq.num_pending == 0 || (seq.num_pending == 1 && seq.last_sample_step == step_id_ - 1);
 }
 
 void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
@@ -270,9 +245,8 @@ void Scheduler::finalize_batch(SchedulerOutput &out) {
 
 StepOutputs Scheduler::process_outputs(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens,
                                        const float *logprobs) {
-  if (num_tokens != out.sample_indices.size())
-    throw std::invalid_argument("process_outputs: got " + std::to_string(num_tokens) + " sampled tokens for " +
-                                std::to_string(out.sample_indices.size()) + " sample rows");
+  check_batch(out, tokens, num_tokens);
+  last_processed_step_ = out.step_id;
   size_t begin = pool_->size();
   for (size_t i = 0; i < out.seqs.size(); ++i) {
     Sequence &seq = *out.seqs[i];
@@ -321,7 +295,7 @@ bool Scheduler::check_stop(Sequence &seq, int32_t token) const {
       return true;
     }
   }
-  if (out_len >= lim.max_tokens || seq.data.get_len() >= config_.max_model_len) {
+  if (out_len >= lim.max_tokens || seq.data.get_len() >= max_seq_len_) {
     seq.status = SequenceStatus::FINISHED_LENGTH;
     return true;
   }
@@ -335,18 +309,27 @@ void Scheduler::finish(Sequence &seq, SequenceStatus status) {
   has_finished_ = true;
 }
 
-bool Scheduler::abort(const std::string &request_id) {
+std::optional<RequestOutput> Scheduler::abort(const std::string &request_id) {
   return finish_request(request_id, SequenceStatus::FINISHED_ABORTED);
 }
 
-bool Scheduler::finish_request(const std::string &request_id, SequenceStatus status) {
+std::optional<RequestOutput> Scheduler::finish_request(const std::string &request_id, SequenceStatus status) {
   if (!is_finished_status(status)) throw std::invalid_argument("finish_request: status must be a finished one");
   auto it = by_request_.find(request_id);
-  if (it == by_request_.end()) return false;
+  if (it == by_request_.end()) return std::nullopt;
   std::shared_ptr<Sequence> seq = it->second;  // keep it alive while finish() unmaps it
   finish(*seq, status);
   drop_finished();
-  return true;
+  // Its final output. Tokens still in flight for it are dropped when their step is processed.
+  size_t slot = pool_->acquire();
+  RequestOutputData &o = pool_->at(slot);
+  o.request_id = seq->request_id;
+  o.seq_id = seq->seq_id;
+  o.finished = true;
+  o.status = status;
+  o.prompt_len = seq->data.get_prompt_len();
+  o.output_len = seq->data.get_output_len();
+  return RequestOutput(pool_, slot, pool_->generation());
 }
 
 std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out) {

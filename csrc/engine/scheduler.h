@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -29,6 +30,7 @@ struct SchedulerConfig {
 // One step's batch: the selected sequences plus the flat arrays the worker feeds the
 // model. Tokens are flattened sequence by sequence.
 struct SchedulerOutput {
+  uint64_t scheduler_uid = 0;  // the scheduler that made it: only that one may process it
   int64_t step_id = 0;
   bool is_prompt = false;
   std::vector<std::shared_ptr<Sequence>> seqs;
@@ -68,6 +70,10 @@ struct SequenceMetadata {
 };
 std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out);
 
+// The configuration itself, or std::invalid_argument naming what is out of range.
+const SchedulerConfig &checked(const SchedulerConfig &config);
+uint64_t next_scheduler_uid();  // unique per process: a batch names the scheduler that made it
+
 struct SchedulerStats {
   int64_t num_preemptions = 0;
   int64_t prefix_query_tokens = 0;  // prompt tokens looked up in the prefix cache
@@ -81,15 +87,20 @@ class Scheduler {
   explicit Scheduler(const SchedulerConfig &config);
 
   // Admission only: validates, reserves host-side capacity and enqueues in `waiting`.
+  // A Sequence is added once, to one scheduler.
   void add_sequence(const std::shared_ptr<Sequence> &seq);
   std::shared_ptr<SchedulerOutput> schedule();
   // Appends sampled tokens (`tokens[i]` for sample row i), advances the processed
-  // boundary, applies stop rules, frees finished sequences' blocks.
+  // boundary, applies stop rules, frees finished sequences' blocks. Every batch this
+  // scheduler made is processed once, in the order it was scheduled (std::invalid_argument
+  // otherwise, before anything changes).
   StepOutputs process_outputs(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens,
                               const float *logprobs);
-  bool abort(const std::string &request_id);
-  // Ends a request for a reason found outside the scheduler (a stop string); frees its blocks.
-  bool finish_request(const std::string &request_id, SequenceStatus status);
+  // Ends a request for a reason found outside the scheduler (an abort, a stop string) and
+  // frees its blocks. Returns its final output (finished, no new token; pooled like a
+  // step's outputs), or nothing if no unfinished request has this id.
+  std::optional<RequestOutput> abort(const std::string &request_id);
+  std::optional<RequestOutput> finish_request(const std::string &request_id, SequenceStatus status);
   void release_outputs() { pool_->release_all(); }
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
@@ -97,12 +108,18 @@ class Scheduler {
   size_t num_running() const { return running_.size(); }
   std::shared_ptr<Sequence> get_sequence(const std::string &request_id) const;
   const SchedulerConfig &config() const { return config_; }
+  // The longest a sequence may grow: max_model_len, or less when the whole KV cache holds
+  // fewer positions (plus the last sampled token, never fed back). A sequence that reaches
+  // it finishes with "length" like one at max_model_len, so none can outgrow the cache.
+  int max_seq_len() const { return max_seq_len_; }
   const BlockManager &block_manager() const { return blocks_; }
   const SchedulerStats &stats() const { return stats_; }
   int64_t step_id() const { return step_id_; }
 
  private:
   void validate(const Sequence &seq) const;
+  void check_batch(const SchedulerOutput &out, const int64_t *tokens, size_t num_tokens) const;
+  bool can_feed_inflight(const Sequence &seq) const;
   void drop_finished();
   void reserve_batch(SchedulerOutput &out) const;
   bool schedule_prefills(SchedulerOutput &out);
@@ -115,6 +132,8 @@ class Scheduler {
   bool check_stop(Sequence &seq, int32_t token) const;
 
   SchedulerConfig config_;
+  int max_seq_len_;
+  uint64_t uid_;
   BlockManager blocks_;
   std::deque<std::shared_ptr<Sequence>> waiting_;
   std::deque<std::shared_ptr<Sequence>> running_;
@@ -122,6 +141,7 @@ class Scheduler {
   std::shared_ptr<RequestOutputPool> pool_;
   SchedulerStats stats_;
   int64_t step_id_ = 0;
+  int64_t last_processed_step_ = 0;
   int64_t next_seq_id_ = 1;
   bool has_finished_ = false;  // some queued sequence finished: compact the queues
 };

@@ -49,6 +49,7 @@ class SequenceData {
 
 class Sequence {
  public:
+  // Throws std::invalid_argument for an empty prompt.
   Sequence(std::string request_id, std::vector<int32_t> prompt_token_ids, SequenceLimits limits);
 
   // Tokens known or in flight: history plus sampled tokens not yet appended (ZOS).
@@ -56,7 +57,7 @@ class Sequence {
   // Positions still to feed through the model before this sequence samples again.
   int num_uncomputed() const { return total_len() - num_computed; }
   // All tokens it may produce are already sampled; it finishes when they are processed.
-  bool done_by_length(int max_model_len) const;
+  bool done_by_length(int max_seq_len) const;
   bool is_finished() const { return is_finished_status(status); }
 
   int64_t seq_id = -1;
