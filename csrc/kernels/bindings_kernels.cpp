@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <climits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@ using I32 = py::array_t<int32_t, py::array::c_style>;
 // With the pool's workers awake, splitting pays from a few hundred cached positions: at 8
 // sequences of ~150 positions (SmolLM2, 2 cores) two threads took 4 ms a step against 6.
 constexpr int64_t kMinPositionsPerThread = 128;
+constexpr int32_t kMaxContext = 1 << 24;  // positions one query may attend to
 
 // Every check raises ValueError("<op>: <what was wrong>").
 void need(bool ok, const char *op, const std::string &what) {
@@ -34,24 +36,35 @@ void need(bool ok, const char *op, const std::string &what) {
 
 void require(bool ok, const std::string &what) { need(ok, "paged_attention", what); }
 
+// Dimension d of `a` as an int (the kernels index with ints), or ValueError.
+int dim(const py::array &a, int d, const char *op) {
+  need(a.shape(d) <= INT_MAX, op, "a dimension of " + std::to_string(a.shape(d)) + " is too large");
+  return static_cast<int>(a.shape(d));
+}
+
 PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
                                  const I32 &context_lens, const F32 &out) {
   require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
               block_tables.ndim() == 2 && context_lens.ndim() == 1,
           "want q/out [T, H, D], caches [blocks, block_size, Hkv, D], block_tables [S, n], context_lens [T]");
+  const char *op = "paged_attention";
   PagedAttentionShape s{};
-  s.num_queries = static_cast<int>(q.shape(0));
-  s.num_rows = static_cast<int>(block_tables.shape(0));
-  s.num_heads = static_cast<int>(q.shape(1));
-  s.head_dim = static_cast<int>(q.shape(2));
-  s.num_blocks = static_cast<int>(k_cache.shape(0));
-  s.block_size = static_cast<int>(k_cache.shape(1));
-  s.num_kv_heads = static_cast<int>(k_cache.shape(2));
-  s.max_blocks = static_cast<int>(block_tables.shape(1));
+  s.num_queries = dim(q, 0, op);
+  s.num_rows = dim(block_tables, 0, op);
+  s.num_heads = dim(q, 1, op);
+  s.head_dim = dim(q, 2, op);
+  s.num_blocks = dim(k_cache, 0, op);
+  s.block_size = dim(k_cache, 1, op);
+  s.num_kv_heads = dim(k_cache, 2, op);
+  s.max_blocks = dim(block_tables, 1, op);
   for (int d = 0; d < 4; ++d) require(k_cache.shape(d) == v_cache.shape(d), "k_cache and v_cache differ in shape");
   for (int d = 0; d < 3; ++d) require(out.shape(d) == q.shape(d), "out must have q's shape");
+  // Only the number of queries (and of block-table rows) may be zero: nothing to do.
+  require(s.num_heads > 0 && s.head_dim > 0 && s.num_blocks > 0 && s.block_size > 0 && s.num_kv_heads > 0 &&
+              s.max_blocks > 0,
+          "heads, head_dim, cache blocks, block_size, KV heads and block-table columns must be non-zero");
   require(k_cache.shape(3) == s.head_dim, "cache head_dim differs from q's");
-  require(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  require(s.num_heads % s.num_kv_heads == 0, "query heads must be a multiple of KV heads");
   require(context_lens.shape(0) == s.num_queries, "context_lens needs one entry per query");
   require(out.writeable(), "out must be writable");
   return s;
@@ -65,11 +78,15 @@ void check_contexts(const PagedAttentionShape &s, const int32_t *block_tables, c
   for (int i = 0; i < s.num_queries; ++i) {
     int r = rows ? rows[i] : i;
     require(r >= 0 && r < s.num_rows, "query row outside the block table");
-    require(lens[i] >= 1 && lens[i] <= s.max_blocks * s.block_size, "context length out of range for its block table");
+    require(lens[i] >= 1 && lens[i] <= static_cast<int64_t>(s.max_blocks) * s.block_size,
+            "context length out of range for its block table");
+    // The kernel keeps one score per position on each thread; past this it would run out of
+    // memory on a worker thread, where an exception cannot be turned into a Python error.
+    require(lens[i] <= kMaxContext, "context length above " + std::to_string(kMaxContext));
     longest[r] = std::max(longest[r], lens[i]);
   }
   for (int r = 0; r < s.num_rows; ++r)
-    for (int b = 0; b < (longest[r] + s.block_size - 1) / s.block_size; ++b) {
+    for (int64_t b = 0; b < (static_cast<int64_t>(longest[r]) + s.block_size - 1) / s.block_size; ++b) {
       int id = block_tables[static_cast<size_t>(r) * s.max_blocks + b];
       require(id >= 0 && id < s.num_blocks, "block id outside the cache");
     }
@@ -120,7 +137,8 @@ constexpr int64_t kMinWeightsPerThread = 1 << 16;
 void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
   auto check = [](bool ok, const std::string &what) { need(ok, "linear", what); };
   check(x.ndim() == 2 && weight.ndim() == 2 && out.ndim() == 2, "want x [M, K], weight [N, K], out [M, N]");
-  const int M = static_cast<int>(x.shape(0)), K = static_cast<int>(x.shape(1)), N = static_cast<int>(weight.shape(0));
+  const int M = dim(x, 0, "linear"), K = dim(x, 1, "linear"), N = dim(weight, 0, "linear");
+  check(K > 0 && N > 0, "K and N must be non-zero");
   check(weight.shape(1) == K, "weight's K differs from x's");
   check(out.shape(0) == M && out.shape(1) == N, "out must be [M, N]");
   check(out.writeable(), "out must be writable");
@@ -141,7 +159,8 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
 
 void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out) {
   need(x.ndim() == 2 && out.ndim() == 2 && weight.ndim() == 1, "rms_norm", "want x/out [T, H], weight [H]");
-  const int T = static_cast<int>(x.shape(0)), H = static_cast<int>(x.shape(1));
+  const int T = dim(x, 0, "rms_norm"), H = dim(x, 1, "rms_norm");
+  need(H > 0, "rms_norm", "the hidden size must be non-zero");
   need(weight.shape(0) == H && out.shape(0) == T && out.shape(1) == H, "rms_norm", "x, weight and out differ in size");
   need(!residual || (residual->ndim() == 2 && residual->shape(0) == T && residual->shape(1) == H), "rms_norm",
        "residual must have x's shape");
@@ -155,8 +174,9 @@ void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, 
 
 void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
   need(x.ndim() == 3 && cos.ndim() == 2 && sin.ndim() == 2, "rotary", "want x [T, heads, D], cos/sin [T, D]");
-  const int T = static_cast<int>(x.shape(0)), heads = static_cast<int>(x.shape(1)), D = static_cast<int>(x.shape(2));
+  const int T = dim(x, 0, "rotary"), heads = dim(x, 1, "rotary"), D = dim(x, 2, "rotary");
   const auto f = static_cast<py::ssize_t>(sizeof(float));
+  need(heads > 0 && D > 0, "rotary", "heads and D must be non-zero");
   need(D % 2 == 0 && cos.shape(0) == T && cos.shape(1) == D && sin.shape(0) == T && sin.shape(1) == D, "rotary",
        "cos and sin must be [T, D] with D even");
   need(x.strides(2) == f && x.strides(1) == D * f && x.strides(0) % f == 0 && x.strides(0) >= heads * D * f,
@@ -170,7 +190,7 @@ void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
 
 py::array_t<int64_t> argmax_py(const F32 &x) {
   need(x.ndim() == 2 && x.shape(1) > 0, "argmax", "want x [N, V] with V > 0");
-  const int N = static_cast<int>(x.shape(0)), V = static_cast<int>(x.shape(1));
+  const int N = dim(x, 0, "argmax"), V = dim(x, 1, "argmax");
   py::array_t<int64_t> out(N);
   int64_t *op = out.mutable_data();
   const float *xp = x.data();
