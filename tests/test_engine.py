@@ -199,7 +199,8 @@ def test_preemption_under_tiny_cache_gives_same_tokens(tiny_model_dir):
     params = SamplingParams(max_tokens=24, **GREEDY)
     prompts = prompts_of_lengths([10, 14, 6, 20, 9, 12])
     roomy = LLM(tiny_model_dir, decode_sequence=False, block_size=4, num_kv_blocks=256)
-    tight = LLM(tiny_model_dir, decode_sequence=False, block_size=4, num_kv_blocks=20)
+    # 19 usable blocks of 4 hold 76 tokens: max_model_len must fit in them (start-up check).
+    tight = LLM(tiny_model_dir, decode_sequence=False, block_size=4, num_kv_blocks=20, max_model_len=64)
     expected = token_ids(roomy.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     got = token_ids(tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     assert tight.llm_engine.scheduler.stats["num_preemptions"] > 0

@@ -20,7 +20,7 @@ from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import load_model, max_context_len
 from deepinfer_dp.sampling_params import SamplingParams
-from deepinfer_dp.worker.model_runner import ModelRunner, num_kv_blocks_for
+from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, num_kv_blocks_for
 from deepinfer_dp.worker.worker import StepState, Worker
 
 MAX_DEFAULT_CONTEXT = 8192
@@ -54,6 +54,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
         num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len)
+        check_kv_capacity(config, loaded, config.torch_dtype(), num_blocks, self.max_model_len)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
@@ -86,6 +87,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids += self.eos_token_ids[1:]  # further EOS ids of the generation config
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
+        _check_fits(request_id, len(ids), max_tokens, self.scheduler.max_seq_len)
         limits = _C.SequenceLimits(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=stop_ids,
                                    eos_token_id=-1 if eos is None else eos, ignore_eos=params.ignore_eos)
         self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))
@@ -99,7 +101,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
         """Aborts the given requests and frees their KV blocks; returns the ids it found."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        found = [rid for rid in ids if self.scheduler.abort(str(rid))]
+        found = [rid for rid in ids if self.scheduler.abort(str(rid)) is not None]
         for rid in found:
             self._forget(str(rid))
         return found
@@ -153,6 +155,8 @@ class LLMEngine:
         for i, out in enumerate(outputs):
             req = self.requests[out.request_id]
             if req.stop_checker is not None and not out.finished and req.stop_checker.append(out.token_ids):
+                # The request's one final output is this step's token output, marked finished
+                # (the token-less final output finish_request returns is not needed here).
                 self.scheduler.finish_request(out.request_id, _C.SequenceStatus.FINISHED_STOPPED)
                 outputs[i] = out = out.clone_finished(_C.SequenceStatus.FINISHED_STOPPED)
             if out.finished:
@@ -180,6 +184,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def _check_fits(request_id: str, prompt_len: int, max_tokens: int, max_seq_len: int) -> None:
+    """A request that may grow past the context is refused, not cut short later. (A prompt
+    that alone fills the context is left to the scheduler's own message.)"""
+    if prompt_len < max_seq_len < prompt_len + max_tokens:
+        raise ValueError(f"request '{request_id}': the prompt has {prompt_len} tokens and max_tokens is "
+                         f"{max_tokens}, {prompt_len + max_tokens} in all, but the context length "
+                         f"(max_model_len) is {max_seq_len}; lower max_tokens or shorten the prompt")
 
 
 def _is_special(state: RequestState) -> bool:

@@ -4,6 +4,8 @@ returns the logits of the rows that sample. Owns the paged KV cache."""
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,10 @@ from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
+
+# The scheduler's batch arrays are read-only views (it reads them back when it processes the
+# batch); the tensors over them are only read, so torch's one-time notice about it is noise.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 @dataclass
@@ -36,6 +42,26 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
     per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
     return max(2, min(int(config.kv_cache_memory_gb * 2**30) // per_block, useful))
+
+
+def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, num_blocks: int,
+                      max_model_len: int) -> None:
+    """Refuses at start-up (as vLLM does) a KV cache that cannot hold one sequence of
+    max_model_len tokens: a request allowed to grow that long could never be served."""
+    usable = num_blocks - 1  # block 0 is the placeholder step's
+    holds = usable * config.block_size
+    if holds >= max_model_len:
+        return
+    need = -(-max_model_len // config.block_size) + 1
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
+    gb = math.ceil(need * per_block / 2**30 * 1000) / 1000
+    source = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None
+              else f"kv_cache_memory_gb={config.kv_cache_memory_gb}")
+    raise ValueError(
+        f"the KV cache holds {holds} tokens ({usable} blocks of {config.block_size} from {source}, block 0 "
+        f"reserved) but max_model_len is {max_model_len}, so one sequence of max_model_len tokens cannot fit. "
+        f"Use a smaller --max-model-len (at most {holds}), or give the KV cache more memory: "
+        f"--kv-cache-memory-gb {gb:g} or --num-kv-blocks {need} (kv_cache_memory_gb / num_kv_blocks)")
 
 
 class ModelRunner:
