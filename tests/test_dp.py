@@ -184,6 +184,9 @@ def test_ray_bad_prompt_is_a_clear_error_and_n_and_text_work(ray_llm):
     with pytest.raises(ValueError, match=r"prompt 1: request \d+: token id 99999 outside the vocabulary"):
         ray_llm.generate(prompt_token_ids=[[5, 6], [5, 99999]], sampling_params=GREEDY, use_tqdm=False)
     assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=r"prompt 0: request \d+: prompt of 500 tokens plus max_tokens=20 exceeds"):
+        ray_llm.generate(prompt_token_ids=[[5] * 500], sampling_params=SamplingParams(max_tokens=20), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
     both = ray_llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
                             sampling_params=SamplingParams(n=2, temperature=0.0, max_tokens=4))
     assert len(both) == 1 and len(both[0]) == 2 and _ids(both[0])[0] == _ids(both[0])[1]

@@ -101,7 +101,7 @@ class Router:
     # ---- sync core -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> int:
         """Sends the request to the rank the policy picks and wakes the others; returns the rank."""
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params.max_tokens)
         with self._lock:
             load = {r.dp_rank: len(r.inflight) for r in self.ranks if r.up}
             if not load:
@@ -119,7 +119,7 @@ class Router:
                     self._send(other, p.Wake(self.wave))
             return rank.dp_rank
 
-    def _validate(self, request_id: str, ids: list[int]) -> None:
+    def _validate(self, request_id: str, ids: list[int], max_tokens: int | None) -> None:
         if not ids:
             raise RequestRejected(f"request {request_id}: empty prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -129,6 +129,9 @@ class Router:
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"request {request_id}: prompt of {len(ids)} tokens leaves no room "
                                   f"under max_model_len={self.max_model_len}")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:  # as LLMEngine.add_request
+            raise RequestRejected(f"request {request_id}: prompt of {len(ids)} tokens plus max_tokens={max_tokens} "
+                                  f"exceeds max_model_len={self.max_model_len}")
 
     def abort_sync(self, request_ids: list[str]) -> None:
         with self._lock:
