@@ -113,14 +113,18 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
                         const std::optional<I32> &query_rows) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
   require(num_threads >= 1, "num_threads must be >= 1");
-  const int32_t *rows = nullptr;
+  // The indices are copied before they are checked: the kernel runs without the GIL, and
+  // another Python thread writing into these arrays meanwhile must not undo the checks.
+  std::vector<int32_t> row_ids;
   if (query_rows) {
     require(query_rows->ndim() == 1 && query_rows->shape(0) == s.num_queries, "query_rows needs one entry per query");
-    rows = query_rows->data();
+    row_ids.assign(query_rows->data(), query_rows->data() + s.num_queries);
   } else {
     require(s.num_rows == s.num_queries, "without query_rows, block_tables needs one row per query");
   }
-  const int32_t *tables = block_tables.data(), *lens = context_lens.data();
+  const std::vector<int32_t> table_ids(block_tables.data(), block_tables.data() + block_tables.size());
+  const std::vector<int32_t> context(context_lens.data(), context_lens.data() + s.num_queries);
+  const int32_t *rows = query_rows ? row_ids.data() : nullptr, *tables = table_ids.data(), *lens = context.data();
   check_contexts(s, tables, rows, lens);
   float *dst = out.mutable_data();
   const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
