@@ -55,13 +55,16 @@ def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
     need = -(-max_model_len // config.block_size) + 1
     per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
     gb = math.ceil(need * per_block / 2**30 * 1000) / 1000
-    source = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None
-              else f"kv_cache_memory_gb={config.kv_cache_memory_gb}")
+    by_memory = f"--kv-cache-memory-gb {gb:g} (kv_cache_memory_gb)"
+    by_blocks = f"--num-kv-blocks {need} (num_kv_blocks)"
+    if config.num_kv_blocks is not None:  # it wins over the memory budget
+        source, more = f"num_kv_blocks={config.num_kv_blocks}", f"{by_blocks}, or drop it and set {by_memory}"
+    else:
+        source, more = f"kv_cache_memory_gb={config.kv_cache_memory_gb}", f"{by_memory} or {by_blocks}"
     raise ValueError(
         f"the KV cache holds {holds} tokens ({usable} blocks of {config.block_size} from {source}, block 0 "
         f"reserved) but max_model_len is {max_model_len}, so one sequence of max_model_len tokens cannot fit. "
-        f"Use a smaller --max-model-len (at most {holds}), or give the KV cache more memory: "
-        f"--kv-cache-memory-gb {gb:g} or --num-kv-blocks {need} (kv_cache_memory_gb / num_kv_blocks)")
+        f"Use a smaller --max-model-len (max_model_len, at most {holds}), or give the KV cache more memory: {more}")
 
 
 class ModelRunner:

@@ -70,7 +70,7 @@ def test_llm_refuses_a_cache_smaller_than_the_context(tiny_model_dir):
         LLM(str(tiny_model_dir), **SMALL)
     msg = str(err.value)
     for part in ("holds 32 tokens (2 blocks of 16 from num_kv_blocks=3", "max_model_len is 512",
-                 "--max-model-len (at most 32)", "--kv-cache-memory-gb", "--num-kv-blocks 33"):
+                 "--max-model-len (max_model_len, at most 32)", "--kv-cache-memory-gb", "--num-kv-blocks 33"):
         assert part in msg, msg
     with pytest.raises(ValueError, match=r"holds 112 tokens .*from kv_cache_memory_gb=0.0001.*max_model_len is 512"):
         LLM(str(tiny_model_dir), kv_cache_memory_gb=1e-4, block_size=16)  # 12 KiB a block here
