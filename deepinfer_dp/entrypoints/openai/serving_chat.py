@@ -67,6 +67,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
     _check_fields(ctx, req)
     messages = _messages(req)
+    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
         ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages)
     except TemplateError as e:

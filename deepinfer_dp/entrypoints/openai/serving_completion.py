@@ -49,6 +49,8 @@ async def prompt_token_lists(ctx: ServingContext, req: CompletionRequest) -> lis
         raise bad_request(f"prompt holds {len(p)} prompts; this server takes at most {ctx.limits.max_prompts} "
                           f"in one request", "prompt")
     if isinstance(p[0], str):
+        for i, text in enumerate(p):
+            ctx.check_text_length(len(text), "prompt" if len(p) == 1 else f"prompt {i}", "prompt")
         return await ctx.off_loop(_tokenize, ctx.client.tokenizer, p)
     return [list(x) for x in p]
 

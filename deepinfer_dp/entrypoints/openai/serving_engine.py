@@ -76,15 +76,27 @@ class ServingContext:
     admission: Admission = field(init=False)
     # Tokenizing and chat templates: off the event loop (the Rust tokenizer releases the GIL).
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-tokenize"))
-
     chat_tokenizer: ChatTokenizer = field(init=False)
+    _max_chars: int = field(init=False)  # see check_text_length
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.limits)
         self.chat_tokenizer = ChatTokenizer(self.client.tokenizer, self.limits.chat_special_tokens_as_text)
+        # Once, at start: scanning the vocabulary holds the GIL for a moment (~1 s at 49k tokens).
+        tok = self.client.tokenizer
+        longest = max(map(len, tok.batch_decode([[i] for i in range(len(tok))])), default=1)
+        self._max_chars = 4 * (longest + 1) * self.client.max_model_len
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def check_text_length(self, num_chars: int, which: str, param: str) -> None:
+        """Refuses a text that cannot fit the context whatever it says, before it is tokenized
+        (tokenizing 10 MB takes a core for many seconds). No token spans more characters than
+        the longest one in the vocabulary; the 4x margin covers normalizers that merge characters."""
+        if num_chars > self._max_chars:
+            raise bad_request(f"{which} has {num_chars} characters; no text over {self._max_chars} characters fits "
+                              f"this model's maximum context length of {self.client.max_model_len} tokens", param)
 
 
 def check_common(req: SamplingFields, limits: ServerLimits) -> None:
