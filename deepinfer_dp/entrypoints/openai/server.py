@@ -76,7 +76,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
+        # (Starlette re-raises it after this answer, so the server logs the traceback)
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
@@ -104,7 +104,7 @@ async def _sse_guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         else:
             logger.exception("unexpected error in a stream")
             err = OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
-        body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code))
+        body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code))
         yield f"data: {json.dumps(body.model_dump())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
