@@ -68,7 +68,7 @@ def test_full_queue_is_503_with_retry_after(server):
                 held = [asyncio.create_task(c.post("/v1/completions", json=BODY)) for _ in range(2)]
                 await _until(lambda: _waiting(server) == 2)
                 r = await c.post("/v1/completions", json=BODY)
-                n = await c.post("/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]})
+                n = await c.post("/v1/completions", json={**BODY, "prompt": ["a", "b"]})
                 health = await c.get("/health")
             done = await asyncio.gather(*held)
             return r, n, health, done
@@ -76,11 +76,14 @@ def test_full_queue_is_503_with_retry_after(server):
     r, n, health, done = asyncio.run(run())
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "service_unavailable_error" and r.json()["error"]["code"] == "queue_full"
-    assert n.status_code == 503  # three choices do not fit either
+    assert n.status_code == 503  # two choices do not fit either
     assert health.status_code == 200  # overload is not an outage
     assert [d.status_code for d in done] == [200, 200]
     assert _waiting(server) == 0
     assert httpx.post(server.url + "/v1/completions", json=BODY).status_code == 200
+    # more choices than the queue ever holds: a 400, not a 503 to retry forever
+    r = httpx.post(server.url + "/v1/completions", json={**BODY, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):

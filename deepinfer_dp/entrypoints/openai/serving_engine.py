@@ -215,6 +215,9 @@ async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[i
     when it is full, raised before anything is submitted)."""
     arrival = time.perf_counter()
     waiting = set(range(len(prompts) * n))
+    if len(waiting) > ctx.limits.max_waiting_requests:  # would be refused forever: not a 503
+        raise bad_request(f"this request asks for {len(waiting)} choices (prompts x n), more than the "
+                          f"{ctx.limits.max_waiting_requests} the server queues at once", "n")
     ctx.admission.admit(len(waiting))
 
     def on_start(index: int) -> None:
