@@ -41,6 +41,18 @@ class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
+    # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
+    max_request_body_bytes: int = Field(16 * 2**20, ge=1024)
+    max_n: int = Field(128, ge=1)
+    max_prompts: int = Field(256, ge=1)  # prompts in one completions request
+    max_waiting_requests: int = Field(1024, ge=1)  # waiting for their first token, server-wide
+    chat_special_tokens_as_text: bool = True  # "<|im_start|>" typed in chat content stays text
+
+    def limits(self):
+        from deepinfer_dp.entrypoints.openai.admission import ServerLimits
+
+        return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
+                            self.chat_special_tokens_as_text)
 
 
 class MetricsSection(_Section):
@@ -173,6 +185,9 @@ _FLAGS: dict[str, str] = {
     "torch_threads": "torch_threads", "router_policy": "router.policy", "ray_address": "ray.address",
     "placement_strategy": "ray.placement_strategy", "host": "server.host", "port": "server.port",
     "api_key": "server.api_key", "metrics_port": "metrics.port",
+    "max_request_body_bytes": "server.max_request_body_bytes", "max_n": "server.max_n",
+    "max_prompts": "server.max_prompts", "max_waiting_requests": "server.max_waiting_requests",
+    "chat_special_tokens_as_text": "server.chat_special_tokens_as_text",
 }
 
 
@@ -204,6 +219,14 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=None, help="server port (default 8000)")
     g.add_argument("--api-key", default=None, help="require this bearer token on /v1")
     g.add_argument("--metrics-port", type=int, default=None, help="separate Prometheus port")
+    g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (16 MiB)")
+    g.add_argument("--max-n", type=int, default=None, help="most choices (n) in one request (128)")
+    g.add_argument("--max-prompts", type=int, default=None, help="most prompts in one completions request (256)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests waiting for their first token before new ones get 503 (1024)")
+    g.add_argument("--chat-special-tokens-as-control", dest="chat_special_tokens_as_text", action="store_const",
+                   const=False, default=None,
+                   help="parse special-token strings in chat content as control tokens (default: plain text)")
 
 
 def load_config(args: argparse.Namespace) -> DeploymentConfig:

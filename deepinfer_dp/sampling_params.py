@@ -12,6 +12,12 @@ from dataclasses import dataclass
 # Temperatures below this are treated as greedy: dividing logits by ~0
 # overflows to inf/NaN, and the argmax is what the user meant anyway.
 GREEDY_EPS = 1e-5
+# vLLM's default max_logprobs: the most alternatives a request may ask for, per token.
+MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+# What torch.Generator.manual_seed accepts (and msgspec can carry): [-2**63, 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -30,6 +36,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # 0: chosen token only; k > 0: also the top k
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob (+ top k)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -43,6 +51,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         self.verify()
 
     def verify(self) -> None:
@@ -61,6 +71,8 @@ class SamplingParams:
             _fail("min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                _fail("seed", "must fit in 64 bits, [-2**63, 2**64 - 1]", self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
@@ -71,10 +83,13 @@ class SamplingParams:
             _fail("repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
         self._verify_lengths()
         self._verify_stops()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                _fail("logprobs", "must be None or >= 0", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    _fail(name, f"must be None or in [0, {MAX_LOGPROBS}]", value)
+        self._verify_logit_bias()
         _check_int("n", self.n)
         if self.n < 1:
             _fail("n", "must be >= 1", self.n)
@@ -101,6 +116,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 _fail("stop_token_ids", "must hold integers >= 0 only", t)
+
+    def _verify_logit_bias(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                _fail("logit_bias", "keys must be token ids (integers >= 0)", token)
+            _check_number("logit_bias", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
 
     @property
     def is_greedy(self) -> bool:

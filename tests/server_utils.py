@@ -24,16 +24,17 @@ def tiny_model_dir(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def served(model_dir: str, api_key: str | None = None, dp_size: int = 1, **options) -> Iterator[ServerThread]:
+def served(model_dir: str, api_key: str | None = None, dp_size: int = 1, limits=None,
+           **options) -> Iterator[ServerThread]:
     """A real uvicorn server on a free 127.0.0.1 port over one in-process engine (dp_size 1) or
-    the DP router over dp_size Ray ranks; everything is stopped after."""
+    the DP router over dp_size Ray ranks (`limits`: a ServerLimits); everything is stopped after."""
     options = {**ENGINE_OPTIONS, **options}
     if dp_size > 1:
         os.environ["RAY_AUTH_MODE"] = "disabled"
         client = make_dp_client(model_dir, dp_size, MODEL_NAME, "round_robin", **options)
     else:
         client = make_local_client(model_dir, MODEL_NAME, **options)
-    server = ServerThread(client, MODEL_NAME, api_key).start()
+    server = ServerThread(client, MODEL_NAME, api_key, limits=limits).start()
     server.client = client
     try:
         yield server

@@ -189,7 +189,7 @@ BAD_COMPLETIONS = [  # (body, status, words the message must hold)
     ({"model": MODEL_NAME, "prompt": "hi", "n": 0}, 400, "n must be"),
     ({"model": MODEL_NAME, "prompt": "hi", "presence_penalty": 9}, 400, "presence_penalty"),
     ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": ""}, 400, "empty"),
     ({"model": MODEL_NAME, "prompt": []}, 400, "empty"),
     ({"model": MODEL_NAME, "prompt": "hi", "stop": [""]}, 400, "stop"),

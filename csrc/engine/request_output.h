@@ -23,6 +23,19 @@ struct RequestOutputData {
   int output_len = 0;
   float logprob = 0.0f;
   bool has_logprob = false;
+  int sample_row = -1;  // row of the step's sampled tokens this output came from
+  // The k most likely tokens at this step (k per output, as the request asked; empty when
+  // it asked for none), best first: top_token_ids[j] has log-probability top_logprobs[j].
+  std::vector<int32_t> top_token_ids;
+  std::vector<float> top_logprobs;
+  // Prompt log-probabilities, set on a request's first output only when it asked for them:
+  // entry p (p = 0 .. prompt_len - 2) is prompt token p + 1 given the tokens before it;
+  // prompt_top_* hold prompt_top_k alternatives per entry, row-major.
+  bool has_prompt_logprobs = false;
+  int prompt_top_k = 0;
+  std::vector<float> prompt_logprobs;
+  std::vector<int32_t> prompt_top_token_ids;
+  std::vector<float> prompt_top_logprobs;
 };
 
 class ReleasedOutputError : public std::runtime_error {
@@ -57,6 +70,9 @@ class RequestOutput {
   bool is_pooled() const { return owned_ == nullptr; }
   RequestOutput clone() const;
   RequestOutput clone_finished(SequenceStatus status) const;
+  // An owned copy carrying the request's prompt log-probabilities (see RequestOutputData).
+  RequestOutput clone_with_prompt_logprobs(std::vector<float> logprobs, int top_k, std::vector<int32_t> top_ids,
+                                           std::vector<float> top_logprobs) const;
 
  private:
   std::shared_ptr<RequestOutputPool> pool_;
@@ -71,6 +87,9 @@ class StepOutputs {
   StepOutputs(std::shared_ptr<RequestOutputPool> pool, size_t begin, size_t end);
   size_t size() const { return end_ - begin_; }
   RequestOutput at(size_t i) const;
+  // Gives each output the top alternatives of its sample row: `ids` and `logprobs` are
+  // [num_rows, k] row-major, and row r keeps its first min(row_k[r], k) entries.
+  void set_top_logprobs(const int64_t *ids, const float *logprobs, size_t num_rows, int k, const int32_t *row_k);
 
  private:
   std::shared_ptr<RequestOutputPool> pool_;

@@ -117,7 +117,9 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
     if (ceil_div(total, config_.block_size) > blocks_.num_usable_blocks())
       throw std::logic_error("scheduler: request '" + seq->request_id + "' has " + std::to_string(total) +
                              " tokens, more than the whole KV cache holds");
-    int max_hit_blocks = (total - 1) / config_.block_size;  // always compute the last token
+    // Always compute the last token; compute everything when the request needs each prompt
+    // position's logits (prompt logprobs), as vLLM does.
+    int max_hit_blocks = seq->limits.read_prefix_cache ? (total - 1) / config_.block_size : 0;
     // Take the cached prefix now (it may consume free blocks), give it back if the rest won't fit.
     int cached = blocks_.take_prefix(*seq, max_hit_blocks) * config_.block_size;
     uint64_t next_hash = 0;
@@ -273,6 +275,7 @@ StepOutputs Scheduler::process_outputs(const SchedulerOutput &out, const int64_t
     o.status = stopped ? seq.status : SequenceStatus::RUNNING;
     o.prompt_len = seq.data.get_prompt_len();
     o.output_len = seq.data.get_output_len();
+    o.sample_row = row;
     if (logprobs) {
       o.logprob = logprobs[row];
       o.has_logprob = true;

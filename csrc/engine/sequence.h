@@ -28,6 +28,7 @@ struct SequenceLimits {
   std::vector<int32_t> stop_token_ids;
   int32_t eos_token_id = -1;
   bool ignore_eos = false;
+  bool read_prefix_cache = true;  // false: recompute a cached prefix (prompt logprobs need it)
 };
 
 class SequenceData {

@@ -35,7 +35,7 @@ class RemoteOutput:
     """A rank's RequestOutput after the wire: same attribute names, already owned."""
 
     __slots__ = ("request_id", "token_ids", "finished", "finish_reason", "status", "prompt_len",
-                 "output_len", "logprob", "dp_rank")
+                 "output_len", "logprob", "dp_rank", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
 
     def __init__(self, d: TokenDelta) -> None:
         self.request_id, self.token_ids, self.finished = d.request_id, d.token_ids, d.finished
@@ -43,6 +43,8 @@ class RemoteOutput:
         self.status = _STATUS.get(d.finish_reason, _C.SequenceStatus.RUNNING)
         self.prompt_len, self.output_len, self.dp_rank = d.prompt_len, d.output_len, d.dp_rank
         self.logprob = d.logprobs[-1] if d.logprobs else None
+        self.top_logprobs, self.prompt_logprobs = d.top_logprobs, d.prompt_logprobs
+        self.prompt_top_logprobs = d.prompt_top_logprobs
 
     @property
     def token_id(self) -> int:

@@ -113,4 +113,5 @@ def delta_of(out, dp_rank: int) -> TokenDelta:
     return TokenDelta(request_id=out.request_id, token_ids=list(out.token_ids), finished=out.finished,
                       finish_reason=out.finish_reason if out.finished else None,
                       logprobs=None if logprob is None else [logprob], prompt_len=out.prompt_len,
-                      output_len=out.output_len, dp_rank=dp_rank)
+                      output_len=out.output_len, dp_rank=dp_rank, top_logprobs=out.top_logprobs,
+                      prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs)

@@ -26,6 +26,10 @@ class TokenDelta(msgspec.Struct, frozen=True):
     prompt_len: int = 0
     output_len: int = 0
     dp_rank: int = 0
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the k best {id: logprob}, when asked
+    # On a request's first delta, when it asked for prompt logprobs: per prompt token (None first)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineError(Exception):

@@ -11,11 +11,13 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import load_model, max_context_len
@@ -64,6 +66,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._finished: list[str] = []
         self._num_special = 0  # live requests needing more than plain greedy sampling
+        self._prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}  # requests that asked
         self._counter = itertools.count()
         self.generate_step = 0
         self.placeholder_steps = 0
@@ -82,6 +85,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer(prompt).input_ids
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         ids = [int(t) for t in prompt_token_ids]
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -89,8 +95,11 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
         _check_fits(request_id, len(ids), max_tokens, self.scheduler.max_seq_len)
         limits = _C.SequenceLimits(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=stop_ids,
-                                   eos_token_id=-1 if eos is None else eos, ignore_eos=params.ignore_eos)
+                                   eos_token_id=-1 if eos is None else eos, ignore_eos=params.ignore_eos,
+                                   read_prefix_cache=params.prompt_logprobs is None)
         self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = prompt_logprobs.PromptLogprobs.for_prompt(ids, params.prompt_logprobs)
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)
         state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
@@ -147,13 +156,31 @@ class LLMEngine:
             [s.data.get_output_len() if s else 0 for s in seqs], [s.eos_token_id for s in states],
             vocab_size, self.device)
 
+    def prompt_logprobs_spec(self, sched_out: _C.SchedulerOutput) -> prompt_logprobs.PromptLogprobsSpec | None:
+        if not self._prompt_logprobs:
+            return None
+        return prompt_logprobs.build_spec(sched_out, self._prompt_logprobs, self.device)
+
     def post_process(self, state: StepState) -> list:
         """Appends the sampled tokens in C++ (stop rules, freeing finished blocks) and
         returns the step's pooled outputs."""
         tokens, logprobs = state.tokens_and_logprobs()
-        outputs = list(self.scheduler.process_outputs(state.sched_out, tokens, logprobs))
+        step_outputs = self.scheduler.process_outputs(state.sched_out, tokens, logprobs)
+        top = state.top_logprobs()
+        if top is not None:
+            # (a request aborted while this step was in flight has no state and no output)
+            row_k = [(s.params.logprobs or 0) if (s := self.requests.get(r)) else 0
+                     for r in state.sched_out.sample_request_ids]
+            step_outputs.set_top_logprobs(top[0], top[1], np.asarray(row_k, dtype=np.int32))
+        if state.prompt_logprobs is not None:
+            prompt_logprobs.absorb(state.prompt_logprobs, self._prompt_logprobs)
+        outputs = list(step_outputs)
         for i, out in enumerate(outputs):
             req = self.requests[out.request_id]
+            pl = self._prompt_logprobs.get(out.request_id)
+            if pl is not None and not pl.delivered:  # a request's first output carries them
+                outputs[i] = out = out.with_prompt_logprobs(pl.logprobs, pl.top_ids, pl.top_logprobs)
+                pl.delivered = True
             if req.stop_checker is not None and not out.finished and req.stop_checker.append(out.token_ids):
                 # The request's one final output is this step's token output, marked finished
                 # (the token-less final output finish_request returns is not needed here).
@@ -172,6 +199,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         if state is not None:
             self._num_special -= _is_special(state)
 
@@ -197,7 +225,7 @@ def _check_fits(request_id: str, prompt_len: int, max_tokens: int, max_seq_len: 
 
 def _is_special(state: RequestState) -> bool:
     p = state.params
-    return not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0
+    return not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0 or bool(p.logit_bias)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:

@@ -2,7 +2,7 @@
 
 The model runner builds a `SamplingBatch` once per step and calls `Sampler` on
 the logits of the rows that sample. Order of work, as in vLLM:
-min-tokens mask -> penalties -> (greedy argmax | temperature -> top-k/top-p ->
+min-tokens mask -> logit bias -> penalties -> (greedy argmax | temperature -> top-k/top-p ->
 min-p -> exponential race); logprobs always describe the raw logits.
 
 The all-greedy batch is the benchmark's hot path: `build` detects it with one
@@ -54,6 +54,10 @@ class SamplingBatch:
     # min_tokens: flat (row, token id) pairs forced to -inf.
     banned_rows: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
+    # logit_bias: flat (row, token id, bias) triples added to the logits.
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # Largest number of top logprobs asked; None when no row asked for logprobs.
     max_num_logprobs: int | None = None
 
@@ -78,7 +82,7 @@ class SamplingBatch:
         if not (len(generators) == len(num_output_tokens) == len(eos_token_ids) == n):
             raise ValueError("SamplingBatch.build: per-row lists must all have len(params)")
         if all(
-            p.is_greedy and p.logprobs is None and not p.needs_history and p.min_tokens <= k
+            p.is_greedy and p.logprobs is None and not p.needs_history and p.min_tokens <= k and not p.logit_bias
             for p, k in zip(params, num_output_tokens, strict=True)
         ):
             return cls(num_rows=n, fast_greedy=True, all_greedy=True)
@@ -86,6 +90,7 @@ class SamplingBatch:
         batch._set_sampling(params, generators, vocab_size, device)
         batch._set_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
         batch._set_min_tokens(params, num_output_tokens, eos_token_ids, vocab_size, device)
+        batch._set_logit_bias(params, vocab_size, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(asked), vocab_size) if asked else None
         return batch
@@ -178,6 +183,18 @@ class SamplingBatch:
             self.banned_ids = torch.tensor(ids, dtype=torch.int64, device=device)
 
 
+    def _set_logit_bias(self, params: list[SamplingParams], vocab_size: int, device: torch.device) -> None:
+        triples = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        if not triples:
+            return
+        if any(t >= vocab_size for _, t, _ in triples):  # admission checks this; never index past the vocab
+            raise ValueError(f"SamplingBatch.build: a logit_bias token id is outside the vocabulary [0, {vocab_size})")
+        rows, ids, values = zip(*triples, strict=True)
+        self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [N]
@@ -199,6 +216,8 @@ class Sampler:
         logits = logits.clone()  # everything below works in place
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
+        if batch.bias_rows is not None:
+            logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
         if batch.penalty_rows is not None:
             apply_penalties(logits, batch)
         token_ids = self._choose(logits, raw, batch)

@@ -13,6 +13,7 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
@@ -32,6 +33,8 @@ class ModelInput:
     sample_indices: torch.Tensor | None  # int64 [N]; None for the placeholder step
     inflight_src: torch.Tensor | None = None  # int64 [T]: previous step's sample row, or -1
     prev_tokens: torch.Tensor | None = None  # the previous step's sampled ids (on the device)
+    # Prefill rows whose logits requests want as prompt logprobs; forward() fills its result.
+    prompt_logprobs: prompt_logprobs.PromptLogprobsSpec | None = None
 
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
@@ -134,6 +137,8 @@ class ModelRunner:
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self._thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
+            if inp.prompt_logprobs is not None:
+                prompt_logprobs.compute(self.model.compute_logits, hidden, inp.prompt_logprobs)
             if inp.sample_indices is None or inp.sample_indices.numel() == 0:
                 return None
             return self.model.compute_logits(hidden[inp.sample_indices])

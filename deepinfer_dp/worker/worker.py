@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.engine.prompt_logprobs import PromptLogprobsSpec
 from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from deepinfer_dp.worker.model_runner import ModelInput, ModelRunner
 
@@ -32,7 +33,9 @@ class StepState:
     sampled: SamplerOutput | Future | None
     host_tokens: torch.Tensor | None = None  # CUDA: pinned copy, ready once `event` fires
     host_logprobs: torch.Tensor | None = None
+    host_top: tuple[torch.Tensor, torch.Tensor] | None = None  # CUDA: pinned top ids and logprobs
     event: torch.cuda.Event | None = None
+    prompt_logprobs: PromptLogprobsSpec | None = None  # filled by the forward
 
     def tokens_and_logprobs(self) -> tuple[np.ndarray, np.ndarray | None]:
         sampled = self.sampled.result() if isinstance(self.sampled, Future) else self.sampled
@@ -44,11 +47,22 @@ class StepState:
         logprobs = self.host_logprobs if self.host_logprobs is not None else sampled.logprobs
         return tokens.cpu().numpy(), None if logprobs is None else logprobs.cpu().numpy()
 
+    def top_logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The top-k ids and logprobs [N, k] when some row asked for alternatives; call after
+        tokens_and_logprobs() (which waits for the sampling)."""
+        sampled = self.sampled.result() if isinstance(self.sampled, Future) else self.sampled
+        if sampled is None or sampled.top_logprob_ids is None:
+            return None
+        ids, values = self.host_top or (sampled.top_logprob_ids, sampled.top_logprobs)
+        return ids.cpu().numpy(), values.cpu().numpy()
+
 
 class StepHost(Protocol):
     """What the worker needs from its engine (the seed's two call-backs)."""
 
     def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None: ...
+
+    def prompt_logprobs_spec(self, sched_out: _C.SchedulerOutput) -> PromptLogprobsSpec | None: ...
 
     def post_process(self, state: StepState) -> list: ...
 
@@ -77,6 +91,8 @@ class Worker:
             model_input = self.runner.placeholder_input()
         else:
             model_input = self.runner.prepare(sched_out, None)
+            if sched_out.is_prompt:
+                model_input.prompt_logprobs = self.host.prompt_logprobs_spec(sched_out)
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step
@@ -87,7 +103,8 @@ class Worker:
         # On CPU a ZOS decode step returns while its forward still runs: the host goes on to
         # the DP vote and the next schedule, and waits for these tokens only when it
         # post-processes them, after the next forward is queued behind this one.
-        curr = StepState(sched_out, self._on_device(self._sample, logits, batch))
+        curr = StepState(sched_out, self._on_device(self._sample, logits, batch),
+                         prompt_logprobs=model_input.prompt_logprobs)
         # 4. Post-process current step, now or (ZOS decode) during the next step
         if sched_out.is_prompt or placeholder or not self.zos:
             outputs.extend(self._post_process_step(curr))
@@ -138,6 +155,9 @@ class Worker:
         state.host_tokens = state.sampled.token_ids.to("cpu", non_blocking=True)
         if state.sampled.logprobs is not None:
             state.host_logprobs = state.sampled.logprobs.to("cpu", non_blocking=True)
+        if state.sampled.top_logprob_ids is not None:
+            state.host_top = (state.sampled.top_logprob_ids.to("cpu", non_blocking=True),
+                              state.sampled.top_logprobs.to("cpu", non_blocking=True))
         state.event = torch.cuda.Event()
         state.event.record()
 

@@ -14,6 +14,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 from deepinfer_dp.engine.client import EngineClient
+from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 from deepinfer_dp.entrypoints.openai.server import build_app
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless asked otherwise
@@ -24,8 +25,8 @@ class ServerThread:
     """uvicorn in a background thread; `port` is the bound port (ask for 0 to get a free one)."""
 
     def __init__(self, client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-                 host: str = DEFAULT_HOST, port: int = 0) -> None:
-        self.app = build_app(client, served_model_name, api_key)
+                 host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None) -> None:
+        self.app = build_app(client, served_model_name, api_key, limits)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.host = host
@@ -53,10 +54,11 @@ class ServerThread:
 
 
 def run_server(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-               host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None) -> None:
+               host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
+               limits: ServerLimits | None = None) -> None:
     """Serves until interrupted (Ctrl-C). /metrics is always on `port`; `metrics_port` serves
     the same registry on a port of its own too (for scrapers kept off the API port)."""
-    app = build_app(client, served_model_name, api_key)
+    app = build_app(client, served_model_name, api_key, limits)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.registry)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")).run()
@@ -144,7 +146,8 @@ def run_serve(args: argparse.Namespace) -> None:
         client = make_local_client(deployment.model, name, **engine)
     server = deployment.server
     try:
-        run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port)
+        run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port,
+                   server.limits())
     finally:
         client.shutdown()
 

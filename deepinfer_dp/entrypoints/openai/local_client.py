@@ -151,7 +151,8 @@ class LocalEngineClient:
             logprob = out.logprob if stream.want_logprobs else None
             delta = TokenDelta(out.request_id, list(out.token_ids), out.finished, out.finish_reason,
                                None if logprob is None else [logprob] * len(out.token_ids),
-                               out.prompt_len, out.output_len, 0)
+                               out.prompt_len, out.output_len, 0, out.top_logprobs, out.prompt_logprobs,
+                               out.prompt_top_logprobs)
             if out.finished:
                 del self._streams[out.request_id]
             _put(stream, delta)

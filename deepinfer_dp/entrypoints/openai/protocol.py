@@ -1,25 +1,43 @@
 """Request and response bodies of the OpenAI HTTP API, as pydantic models.
 
-Fields are OpenAI's; a few vLLM-style extensions (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, skip_special_tokens) are accepted too. Unknown fields are ignored,
-as OpenAI-compatible servers commonly do, so newer clients keep working.
+Requests are parsed strictly: a field of the wrong JSON type is an error (no `true` becomes a
+token id, no `"yes"` a bool), an unknown field is an error naming it, and every string must be
+valid Unicode text (a lone surrogate is refused here, not deep in the tokenizer). OpenAI's
+fields that the server does not implement are declared as `Any` so that unsupported.py can
+refuse them with a message that names them. A few vLLM extensions are accepted (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
+include_stop_str_in_output).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _unicode_text(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate (\\u{ord(value[e.start]):04x}) at index {e.start}, which is "
+                         f"not valid Unicode text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -27,43 +45,63 @@ class StreamOptions(_Request):
 
 
 class SamplingFields(_Request):
-    """The sampling knobs shared by both endpoints."""
+    """The fields shared by both endpoints."""
 
-    model: str
+    model: Text
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's and vLLM's range
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[Text, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    # Accepted and ignored: they change nothing about the answer by definition.
+    user: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
+    service_tier: Any = None  # refused unless "auto" / "default" (unsupported.py)
+    store: Any = None  # refused unless false
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: Any = None  # refused (unsupported.py)
+    best_of: int | None = None  # refused above n
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
+    image_url: Any = None  # refused with its type
+    input_audio: Any = None
+    file: Any = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    # What an assistant turn of OpenAI's answer holds; a client may send such a turn back.
+    refusal: Any = None
+    tool_calls: Any = None  # refused unless empty
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -72,6 +110,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI fields this server does not implement (refused in unsupported.py unless no-ops)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -83,8 +134,8 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -104,11 +155,14 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ChatTokenLogprob(BaseModel):
+class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict] = Field(default_factory=list)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP API over any EngineClient (one local engine, or the DP router).
 
 build_app() wires the routes; the work of each endpoint is in serving_completion.py and
-serving_chat.py, and every error leaves as OpenAI's JSON error shape with its status.
+serving_chat.py. Every error leaves as OpenAI's JSON error shape with its status, whatever
+raised it (bad input 400, a body too large 413, a full queue 503 with Retry-After, and any
+unexpected exception 500), never as plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -18,6 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
 from deepinfer_dp.entrypoints.openai import serving_chat, serving_completion
+from deepinfer_dp.entrypoints.openai.admission import RETRY_AFTER_S, BodyLimit, QueueFull, ServerLimits
+from deepinfer_dp.entrypoints.openai.errors import error_response, validation_message
 from deepinfer_dp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,11 +36,7 @@ from deepinfer_dp.entrypoints.openai.protocol import (
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, run_choices
 from deepinfer_dp.metrics import ServerMetrics
 
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+logger = logging.getLogger(__name__)
 
 
 def _engine_error(e: EngineError) -> OpenAIError:
@@ -43,20 +45,6 @@ def _engine_error(e: EngineError) -> OpenAIError:
     if e.status_code == 503:
         return OpenAIError(503, str(e), "service_unavailable_error")
     return OpenAIError(e.status_code, str(e), "server_error")
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if any(err.get("type") == "json_invalid" for err in errors):
-        return "Malformed JSON body: " + "; ".join(str(err.get("ctx", {}).get("error", err["msg"]))
-                                                   for err in errors), None
-    first = errors[0]
-    if tuple(first.get("loc", ())) == ("body",):
-        return "The request body must be a JSON object (send it with Content-Type: application/json)", None
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
-    return "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}"
-                     for e in errors[:5]), param
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -72,7 +60,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)  # OpenAI answers 400 where FastAPI would say 422
+        message, param = validation_message(exc)  # OpenAI answers 400 where FastAPI would say 422
         metrics.finished(None, "rejected")
         return error_response(400, message, param=param)
 
@@ -80,12 +68,26 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
+        metrics.finished(None, "unavailable")
+        return error_response(503, str(e), "service_unavailable_error", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        # (Starlette re-raises it after this answer, so the server logs the traceback)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
 
 def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode()
+
     async def check(request: Request) -> None:
         if api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode("latin-1")  # the raw header bytes
+        if not hmac.compare_digest(given, expected):  # constant time: no timing oracle on the key
             raise OpenAIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
                               code="invalid_api_key")
     return check
@@ -96,9 +98,13 @@ async def _sse_guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
-    except (EngineError, OpenAIError) as e:
-        err = _engine_error(e) if isinstance(e, EngineError) else e
-        body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code))
+    except Exception as e:
+        if isinstance(e, (EngineError, OpenAIError)):
+            err = _engine_error(e) if isinstance(e, EngineError) else e
+        else:
+            logger.exception("unexpected error in a stream")
+            err = OpenAIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        body = ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code))
         yield f"data: {json.dumps(body.model_dump())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -132,13 +138,17 @@ async def _unless_disconnected(work: Awaitable, request: Request):
     cancelled, which closes the generate iterators and aborts the requests on their ranks."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
+    done: set = set()
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if task not in done:
             task.cancel()
-    if task.cancelled():
+    if task not in done:
+        # Wait for the cancellation to finish (it aborts the requests); never read the result of
+        # a task that was cancelled, which raises InvalidStateError while the cancel is pending.
+        await asyncio.gather(task, return_exceptions=True)
         return Response(status_code=499)  # nobody reads it: the client is gone
     return task.result()
 
@@ -150,11 +160,13 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(client: EngineClient, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     model_name = served_model_name or client.model_name
     metrics = ServerMetrics(client, model_name)
-    ctx = ServingContext(client, model_name, metrics)
+    limits = limits or ServerLimits()
+    ctx = ServingContext(client, model_name, metrics, limits)
     app = FastAPI(title="deepinfer-dp", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)
     app.state.ctx = ctx
     _install_error_handlers(app, metrics)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])

@@ -4,8 +4,9 @@ choices machinery as completions."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
+from deepinfer_dp.entrypoints.openai import unsupported
+from deepinfer_dp.entrypoints.openai.chat_template import TemplateError
 from deepinfer_dp.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -16,6 +17,7 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    ChatTopLogprob,
     UsageInfo,
     random_id,
 )
@@ -24,51 +26,70 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     Prepared,
     ServingContext,
     bad_request,
+    check_common,
     check_prompt,
     make_params,
+    refuse_unsupported,
     stop_strings,
 )
-
-
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    messages = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-    if tokenizer.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
-        raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from e
-    # transformers 5 returns a BatchEncoding here, older versions a list
-    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
+from deepinfer_dp.sampling_params import MAX_LOGPROBS
 
 
 def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
-    for part in content:
+    for i, part in enumerate(content):
         if part.type != "text":
             raise bad_request(f"content parts of type {part.type!r} are not supported; send text", "messages")
+        refuse_unsupported(part, unsupported.CONTENT_PART, f"messages.content.{i}.")
         parts.append(part.text or "")
     return "".join(parts)
 
 
+def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    for i, m in enumerate(req.messages):
+        refuse_unsupported(m, unsupported.MESSAGE, f"messages.{i}.")
+    return [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+
+
+def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
+    refuse_unsupported(req, unsupported.CHAT)
+    check_common(req, ctx.limits)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
+
+
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
-    if req.top_logprobs:
-        raise bad_request(f"top_logprobs must be 0: this engine reports the logprob of the sampled token "
-                          f"only, got {req.top_logprobs}", "top_logprobs")
-    ids = chat_prompt_ids(req, ctx.client.tokenizer)
+    _check_fields(ctx, req)
+    messages = _messages(req)
+    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
+    try:
+        ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages)
+    except TemplateError as e:
+        raise bad_request(str(e), "messages") from e
     stops = stop_strings(req)
-    max_tokens = check_prompt(ids, req.max_completion_tokens or req.max_tokens, ctx.client, "messages")
-    return [ids], [make_params(req, max_tokens, 0 if req.logprobs else None)], stops
+    # max_completion_tokens wins; 0 is a value (refused below), not "no limit"
+    limit, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                   else (req.max_tokens, "max_tokens"))
+    max_tokens = check_prompt(ids, limit, ctx.client, "messages", "messages", name)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [ids], [make_params(req, max_tokens, logprobs, ctx.client.vocab_size)], stops
 
 
 def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
-    content = []
-    for tok, lp in zip(ev.token_ids, ev.logprobs or [], strict=False):
-        piece = ctx.client.tokenizer.decode([tok])
-        content.append(ChatTokenLogprob(token=piece, logprob=lp, bytes=list(piece.encode())))
+    decode, content = ctx.client.tokenizer.decode, []
+    tops = ev.top_logprobs or [{} for _ in ev.token_ids]
+    for tok, lp, top in zip(ev.token_ids, ev.logprobs or [], tops, strict=False):
+        piece = decode([tok])
+        alternatives = [ChatTopLogprob(token=(t := decode([i])), logprob=v, bytes=list(t.encode()))
+                        for i, v in top.items()]
+        content.append(ChatTokenLogprob(token=piece, logprob=lp, bytes=list(piece.encode()),
+                                        top_logprobs=alternatives))
     return ChatLogprobs(content=content)
 
 

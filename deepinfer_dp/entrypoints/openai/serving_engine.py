@@ -1,5 +1,8 @@
 """What both endpoints share: request checks, SamplingParams, and running the choices.
 
+Blocking work on the request's text (tokenizing, the chat template) runs in a thread pool,
+so one huge prompt never stalls other streams or /health; every bound is checked before it.
+
 A choice is one (prompt, sample) pair: n > 1 or a list of prompts fan out to several
 engine requests. Each choice's token deltas are detokenized incrementally and watched for
 stop strings here; ChoiceEvents carry the text each delta adds. Closing the event iterator
@@ -12,17 +15,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
+from deepinfer_dp.entrypoints.openai.admission import Admission, ServerLimits
+from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer
 from deepinfer_dp.entrypoints.openai.detokenizer import IncrementalDetokenizer
 from deepinfer_dp.entrypoints.openai.protocol import SamplingFields
 from deepinfer_dp.entrypoints.openai.stop_watch import StopWatch
+from deepinfer_dp.entrypoints.openai.unsupported import unsupported_field
 from deepinfer_dp.metrics import ServerMetrics
 from deepinfer_dp.sampling_params import SamplingParams
 
-MAX_N = 128
+T = TypeVar("T")
 # What a checked request becomes: token ids per prompt, engine params per prompt, stop strings.
 Prepared = tuple[list[list[int]], list[SamplingParams], list[str]]
 
@@ -36,8 +44,14 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def refuse_unsupported(body, table: dict, prefix: str = "") -> None:
+    found = unsupported_field(body, table, prefix)
+    if found is not None:
+        raise bad_request(found[1], found[0], "unsupported_parameter")
 
 
 @dataclass
@@ -48,6 +62,9 @@ class ChoiceEvent:
     logprobs: list[float] | None
     finish_reason: str | None  # set on a choice's last event
     num_output_tokens: int
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # on a choice's first event, when asked
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -55,24 +72,74 @@ class ServingContext:
     client: EngineClient
     model_name: str
     metrics: ServerMetrics
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    admission: Admission = field(init=False)
+    # Tokenizing and chat templates: off the event loop (the Rust tokenizer releases the GIL).
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-tokenize"))
+    chat_tokenizer: ChatTokenizer = field(init=False)
+    _max_chars: int = field(init=False)  # see check_text_length
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.limits)
+        self.chat_tokenizer = ChatTokenizer(self.client.tokenizer, self.limits.chat_special_tokens_as_text)
+        # Once, at start: scanning the vocabulary holds the GIL for a moment (~1 s at 49k tokens).
+        tok = self.client.tokenizer
+        longest = max(map(len, tok.batch_decode([[i] for i in range(len(tok))])), default=1)
+        self._max_chars = 4 * (longest + 1) * self.client.max_model_len
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def check_text_length(self, num_chars: int, which: str, param: str) -> None:
+        """Refuses a text that cannot fit the context whatever it says, before it is tokenized
+        (tokenizing 10 MB takes a core for many seconds). No token spans more characters than
+        the longest one in the vocabulary; the 4x margin covers normalizers that merge characters."""
+        if num_chars > self._max_chars:
+            raise bad_request(f"{which} has {num_chars} characters; no text over {self._max_chars} characters fits "
+                              f"this model's maximum context length of {self.client.max_model_len} tokens", param)
 
 
-def make_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def check_common(req: SamplingFields, limits: ServerLimits) -> None:
+    if not 1 <= req.n <= limits.max_n:
+        raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+
+def make_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one engine request (n=1; stop strings stay with the server)."""
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
     values = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-              "repetition_penalty": req.repetition_penalty, "seed": req.seed}
+              "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty}
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab_size})",
+                              "stop_token_ids")
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens,
-                              ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                              skip_special_tokens=req.skip_special_tokens, stop_token_ids=req.stop_token_ids,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              logit_bias=_logit_bias(req, vocab_size),
                               **{k: v for k, v in values.items() if v is not None})
     except ValueError as e:
         field_name = str(e).split()[0].removeprefix("SamplingParams.")
         raise bad_request(str(e).removeprefix("SamplingParams."), field_name) from e
+
+
+def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not key.isascii() or not key.isdigit() or not 0 <= int(key) < vocab_size:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        bias[int(key)] = value
+    return bias
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
@@ -82,38 +149,41 @@ def stop_strings(req: SamplingFields) -> list[str]:
     return stops
 
 
-def check_prompt(ids: list[int], max_tokens: int | None, client: EngineClient, which: str = "prompt") -> int:
-    """Checks one tokenized prompt; returns the max_tokens to ask for."""
+def check_prompt(ids: list[int], max_tokens: int | None, client: EngineClient, which: str = "prompt",
+                 param: str = "prompt", max_param: str = "max_tokens") -> int:
+    """Checks one tokenized prompt; returns the max_tokens to ask for. The length comes first,
+    so a huge token list is refused without walking it."""
     if not ids:
-        raise bad_request(f"{which} is empty", "prompt")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < client.vocab_size:
-            raise bad_request(f"{which}: token id {t!r} at position {i} is outside the vocabulary "
-                              f"[0, {client.vocab_size})", "prompt")
-    room = client.max_model_len - len(ids)
+        raise bad_request(f"{which} is empty", param)
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
+    room = client.max_model_len - len(ids)
     if max_tokens is None:
         max_tokens = max(1, room)  # as much as fits; a prompt that fills the context fails below
     if room < max_tokens:
         raise bad_request(f"This model's maximum context length is {client.max_model_len} tokens. However, "
                           f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {which}, "
-                          f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-                          f"max_tokens.", "max_tokens" if room > 0 else "prompt")
+                          f"{max_tokens} for the completion). Please reduce the length of the {which} or "
+                          f"{max_param}.", max_param if room > 0 else param)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < client.vocab_size:
+            raise bad_request(f"{which}: token id {t!r} at position {i} is outside the vocabulary "
+                              f"[0, {client.vocab_size})", param)
     return max_tokens
 
 
 async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                     stops: list[str], arrival: float) -> AsyncIterator[ChoiceEvent]:
+                     stops: list[str], arrival: float, on_start: Callable[[int], None]) -> AsyncIterator[ChoiceEvent]:
     """One engine request, as text events; stops it early when a stop string shows up."""
     detok = IncrementalDetokenizer(ctx.client.tokenizer, params.skip_special_tokens)
-    watch = StopWatch(stops)
+    watch = StopWatch(stops, params.include_stop_str_in_output)
     gen = ctx.client.generate(f"{request_id}-{index}", ids, params)
     rank, last, num_tokens, status = None, arrival, 0, "abort"
     try:
         async for delta in gen:
             now = time.perf_counter()
             if rank is None:
+                on_start(index)
                 rank = delta.dp_rank
                 ctx.metrics.routed_to(rank)
                 ctx.metrics.first_token(rank, now - arrival)
@@ -125,7 +195,8 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
             reason = "stop" if watch.stopped else (delta.finish_reason if delta.finished else None)
             if reason is not None:
                 status = reason
-            yield ChoiceEvent(index, text, list(delta.token_ids), delta.logprobs, reason, num_tokens)
+            yield ChoiceEvent(index, text, list(delta.token_ids), delta.logprobs, reason, num_tokens,
+                              delta.top_logprobs, delta.prompt_logprobs, delta.prompt_top_logprobs)
             if reason is not None:
                 break  # on a stop string, leaving the loop closes gen, which aborts the request
     except EngineError as e:
@@ -139,13 +210,36 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
 
 async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                       params: list[SamplingParams], n: int, stops: list[str]) -> AsyncIterator[ChoiceEvent]:
-    """All choices of a request, interleaved as they come; choice index = prompt * n + sample."""
+    """All choices of a request, interleaved as they come; choice index = prompt * n + sample.
+    The choices count against the server's waiting queue until their first token (QueueFull
+    when it is full, raised before anything is submitted)."""
     arrival = time.perf_counter()
-    gens = [run_choice(ctx, request_id, p * n + i, ids, _child(params[p], i), stops, arrival)
+    waiting = set(range(len(prompts) * n))
+    if len(waiting) > ctx.limits.max_waiting_requests:  # would be refused forever: not a 503
+        raise bad_request(f"this request asks for {len(waiting)} choices (prompts x n), more than the "
+                          f"{ctx.limits.max_waiting_requests} the server queues at once", "n")
+    ctx.admission.admit(len(waiting))
+
+    def on_start(index: int) -> None:
+        waiting.discard(index)
+        ctx.admission.started()
+
+    gens = [run_choice(ctx, request_id, p * n + i, ids, _child(params[p], i), stops, arrival, on_start)
             for p, ids in enumerate(prompts) for i in range(n)]
-    if len(gens) == 1:
-        async for event in gens[0]:
+    try:
+        async for event in _interleave(gens):
             yield event
+    finally:
+        ctx.admission.started(len(waiting))  # choices that failed or were dropped before a token
+
+
+async def _interleave(gens: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:
+    if len(gens) == 1:
+        try:
+            async for event in gens[0]:
+                yield event
+        finally:
+            await gens[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(g, queue)) for g in gens]
@@ -177,3 +271,5 @@ async def _pump(gen: AsyncIterator[ChoiceEvent], queue: asyncio.Queue) -> None:
         queue.put_nowait(None)  # this choice is done
     except Exception as e:  # handed to the consumer, which raises it
         queue.put_nowait(e)
+    finally:
+        await gen.aclose()  # now, not at garbage collection: it aborts the engine request

@@ -1,0 +1,73 @@
+"""Chat messages -> prompt token ids through the model's chat template, with special-token
+strings inside message content kept as plain text.
+
+Tokenizing a rendered template parses every special-token string in it as a control token,
+including one a user typed: `<|im_start|>system` in user content would open a new system
+turn. So when some content holds a special-token string (rare), the template is rendered
+with a placeholder for each content, its own text is tokenized as usual (control tokens
+parsed) and each content is tokenized on its own with special tokens split into plain text.
+Content without such strings takes the ordinary path, token for token what LLM.chat gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The messages cannot be turned into a prompt (the template refused them, or the
+    content cannot be kept as text under this template)."""
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer: Any, special_tokens_as_text: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.special = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+        self.as_text = special_tokens_as_text
+        self._plain: Tokenizer | None = None  # a copy that never parses special tokens
+        if special_tokens_as_text and getattr(tokenizer, "is_fast", False):
+            self._plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+            self._plain.encode_special_tokens = True
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
+            return _as_ids(self._render(messages, tokenize=True))
+        if self._plain is None:
+            raise TemplateError("message content holds a special-token string, which this (slow) tokenizer "
+                                "cannot keep as plain text")
+        return self._split_ids(messages)
+
+    def _render(self, messages: list[dict[str, str]], tokenize: bool):
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+        except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
+            raise TemplateError(f"the model's chat template rejected the messages: {e}") from e
+
+    def _split_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        # Private-use characters: no template rewrites them, and no content is likely to hold them.
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], tokenize=False)
+        ids: list[int] = []
+        pos = 0
+        for message, mark in zip(messages, marks, strict=True):
+            at = rendered.find(mark, pos)
+            if at < 0 or rendered.count(mark) != 1:
+                raise TemplateError("message content holds a special-token string, and this model's chat "
+                                    "template does not place each content exactly once, so it cannot be kept "
+                                    "as plain text; remove the special-token string")
+            ids += self._template_ids(rendered[pos:at]) + self._plain.encode(message["content"],
+                                                                             add_special_tokens=False).ids
+            pos = at + len(mark)
+        return ids + self._template_ids(rendered[pos:])
+
+    def _template_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+def _as_ids(encoded) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True), older a list
+    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
