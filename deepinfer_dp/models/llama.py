@@ -189,10 +189,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face-named tensors in; raises ValueError naming missing weights."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        """Copies Hugging Face-named tensors in; raises ValueError naming missing weights.
+        `loaded_elsewhere`: checkpoint names already in place (packed modules hold them)."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[str] = set(loaded_elsewhere)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed, never trained

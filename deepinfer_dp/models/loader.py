@@ -63,7 +63,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
         return files
-    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != PACKED_FILE)
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in model directory {str(model_dir)!r}")
     return files

@@ -65,7 +65,8 @@ def build_packed_model(config, weights: Weights) -> LlamaForCausalLM:
     tied = model.tie_word_embeddings
     if tied and not isinstance(model.lm_head, PackedLinear):  # to_empty broke the sharing
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights((n, t) for n, t in weights.items() if n not in used)
+    rest = ((n, t.widen() if isinstance(t, PackedWeight) else t) for n, t in weights.items() if n not in used)
+    model.load_weights(rest, loaded_elsewhere=used)
     return model
 
 
