@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.llama import LlamaForCausalLM, check_supported
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
+from deepinfer_dp.worker.cpu_malloc import release_freed_memory
 
 
 @dataclass
@@ -102,6 +103,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         else:
             weights = pack_bf16(iterate_weights(model_dir))
         net = build_packed_model(config, weights)
+        del weights
+        release_freed_memory()  # the parts of fused matrices, which glibc would keep resident
     else:
         net = build_model(config, dtype, device)
         net.load_weights(iterate_weights(model_dir))
