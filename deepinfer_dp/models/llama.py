@@ -55,7 +55,7 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
 def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = kv_cache_shape(config, num_blocks, block_size)
-    if device.type == "cpu" and dtype == torch.float32:
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
         # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed
         # pages as blocks are first written, so the cache is resident only as far as it has
         # been used; torch.zeros would write every page now.
