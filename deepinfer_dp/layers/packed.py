@@ -8,8 +8,8 @@ dequantize and a bf16 -> fp32 cast give the same values), and the fp32 arithmeti
 is `_C.linear`'s, so outputs equal those of the widened fp32 model: transformers on the
 dequantized checkpoint stays the oracle.
 
-Large batches (prefill) widen the matrix into a reused fp32 buffer, a slice of rows at a
-time, and use torch's GEMM, which is faster there.
+Large prefill chunks widen the matrix into a reused fp32 buffer, a slice of rows at a time,
+and use torch's GEMM, which is faster there.
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from deepinfer_dp.layers import cpu_threads
 FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
 
 # Rows up to which the packed kernel runs; larger batches widen and use torch's GEMM.
-KERNEL_MAX_ROWS = 64
+# benchmarks/kernel_crossover.py on SmolLM2's Q4_1 layers, 2 threads: the kernel is 4-8x
+# faster up to 128 rows (widening a whole matrix costs more than the product there), 2.1x
+# at 512, and the GEMM wins from about 1024 on.
+KERNEL_MAX_ROWS = 512
 # Floats widened at once for a GEMM (16 MB): a whole layer of a small model, a slice of a
 # large vocabulary's lm_head.
 WIDEN_CHUNK_FLOATS = 4 << 20

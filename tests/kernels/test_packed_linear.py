@@ -126,7 +126,8 @@ def test_packed_weight_checks_its_layout():
 
 
 @pytest.mark.parametrize("rows", [1, 64, 65, 200])
-def test_linear_module_small_batches_on_the_kernel_large_on_a_widened_gemm(rows):
+def test_linear_module_small_batches_on_the_kernel_large_on_a_widened_gemm(rows, monkeypatch):
+    monkeypatch.setattr(P, "KERNEL_MAX_ROWS", 128)
     w, ref = packed_matrix("q4_1", 300, 128)
     bias = torch.randn(300)
     layer = P.PackedLinear(w, bias)
