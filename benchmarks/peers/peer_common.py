@@ -76,6 +76,9 @@ def run_workloads(spec: dict, generate: Callable[[list[list[int]], int], list[li
     return results
 
 
+RESULT_MARK = "PEERS-RESULT "  # engines log to stdout too; the runner reads the line with this mark
+
+
 def emit(engine: str, cold_start_s: float, rss: PeakRss, results: dict) -> None:
-    print(json.dumps({"engine": engine, "cold_start_s": cold_start_s, "peak_rss_gb": rss.gb(),
-                      "workloads": results}))
+    print(RESULT_MARK + json.dumps({"engine": engine, "cold_start_s": cold_start_s, "peak_rss_gb": rss.gb(),
+                      "workloads": results}), flush=True)

@@ -13,7 +13,7 @@ def best_by_engine(rounds: list[list[dict]], workload: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for runs in rounds:
         for run in runs:
-            w = run["workloads"].get(workload)
+            w = run.get("workloads", {}).get(workload)
             if w is None:
                 continue
             e = out.setdefault(run["engine"], {"tok_s": 0.0, "all": [], "tokens": w["tokens"],
@@ -67,4 +67,6 @@ def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: di
             print(f"  {shares(ours['tok_s'], w, costs, ceilings)}")
     for s in skipped:
         print(f"skipped: {s}")
+    for run in (r for runs in rounds for r in runs if "error" in r):
+        print(f"failed: {run['engine']}: {run['error']}")
     print("(numbers from one run; compare engines only within it)")

@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
 from ceilings import machine_ceilings, model_costs  # noqa: E402
+from peer_common import RESULT_MARK  # noqa: E402
 from report import print_report  # noqa: E402
 
 SHORT = ("batch64", "batch8", "batch1")
@@ -83,13 +84,15 @@ def long_prompts(tok, n: int, length: int) -> list[list[int]]:
 
 def run_engine(python: str, script: str, spec_file: str, only: list[str], kv_gb: float | None,
                env: dict | None = None) -> dict:
+    """One engine process over `only`; on failure {"engine": script, "error": its last words}."""
     cmd = [python, str(HERE / script), "--workload-file", spec_file, "--only", *only]
     if kv_gb is not None:
         cmd += ["--kv-gb", str(kv_gb)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=HERE)
-    if res.returncode != 0:
-        raise RuntimeError(f"{script} failed ({res.returncode}):\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    lines = [x for x in res.stdout.splitlines() if x.startswith(RESULT_MARK)]
+    if res.returncode != 0 or not lines:
+        return {"engine": script, "error": f"exit {res.returncode}: {res.stderr[-1500:]}"}
+    return json.loads(lines[-1][len(RESULT_MARK):])
 
 
 def usable(python: str, module: str) -> bool:
