@@ -24,6 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     zos: bool = True  # zero-overhead scheduling: defer a decode step's post-processing
     cpu_linear_kernel: bool = True  # fp32 CPU: decode-sized matrix products through the C++ kernel
+    # fp32 CPU: GGUF Q4_0/Q4_1/Q8_0 and bf16 matrices stay packed, widened inside the kernels
+    packed_weights: bool = True
     seed: int = 0
     torch_threads: int | None = None  # None: leave torch's default
     dp_size: int = 1

@@ -73,6 +73,7 @@ class DeploymentConfig(_Section):
     max_model_len: int | None = Field(None, ge=2)
     zos: bool = True
     enable_prefix_caching: bool = True
+    packed_weights: bool = True  # CPU fp32: GGUF-quantized / bf16 matrices stay packed
     seed: int = 0
     torch_threads: int | None = Field(None, ge=1)
     router: RouterSection = RouterSection()
@@ -108,7 +109,7 @@ class DeploymentConfig(_Section):
     def engine_config(self) -> EngineConfig:
         keys = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching", "zos",
-                "seed", "torch_threads", "dp_size")
+                "packed_weights", "seed", "torch_threads", "dp_size")
         return EngineConfig(**{k: getattr(self, k) for k in keys})
 
     def dp_options(self) -> dict[str, Any]:
@@ -182,7 +183,8 @@ _FLAGS: dict[str, str] = {
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "block_size": "block_size", "kv_cache_memory_gb": "kv_cache_memory_gb", "num_kv_blocks": "num_kv_blocks",
     "max_model_len": "max_model_len", "zos": "zos", "enable_prefix_caching": "enable_prefix_caching",
-    "torch_threads": "torch_threads", "router_policy": "router.policy", "ray_address": "ray.address",
+    "torch_threads": "torch_threads", "packed_weights": "packed_weights", "router_policy": "router.policy",
+    "ray_address": "ray.address",
     "placement_strategy": "ray.placement_strategy", "host": "server.host", "port": "server.port",
     "api_key": "server.api_key", "metrics_port": "metrics.port",
     "max_request_body_bytes": "server.max_request_body_bytes", "max_n": "server.max_n",
@@ -212,6 +214,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                    help="disable zero-overhead scheduling")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    default=None, help="disable prefix caching")
+    g.add_argument("--no-packed-weights", dest="packed_weights", action="store_const", const=False,
+                   default=None, help="CPU: widen GGUF-quantized and bf16 weights to fp32 at load")
     g.add_argument("--router-policy", default=None, help="round_robin, least_loaded or prefix_affinity")
     g.add_argument("--ray-address", default=None, help="local (a private Ray) or auto (a running cluster)")
     g.add_argument("--placement-strategy", default=None, help="pack or spread (one bundle per rank)")

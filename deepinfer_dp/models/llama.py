@@ -8,6 +8,7 @@ three or two); load_weights takes Hugging Face names and slices them in.
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +55,12 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
 def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = kv_cache_shape(config, num_blocks, block_size)
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed
+        # pages as blocks are first written, so the cache is resident only as far as it has
+        # been used; torch.zeros would write every page now.
+        whole = torch.from_numpy(np.zeros((num_layers(config), 2, *shape), dtype=np.float32))
+        return [(layer[0], layer[1]) for layer in whole]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers(config))]
 
@@ -189,10 +196,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face-named tensors in; raises ValueError naming missing weights."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        """Copies Hugging Face-named tensors in; raises ValueError naming missing weights.
+        `loaded_elsewhere`: checkpoint names already in place (packed modules hold them)."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[str] = set(loaded_elsewhere)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed, never trained

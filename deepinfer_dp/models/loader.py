@@ -1,7 +1,9 @@
 """Load a model for serving: a Hugging Face directory, a .gguf file, or the default model.
 
 GGUF files (the default model is one) are converted once into a Hugging Face-style cache
-directory (see default_model.py); from then on every load reads safetensors, which is fast.
+directory (see default_model.py) for the config, the tokenizer and fp32 weights. On CPU in
+fp32 the weights are read packed instead (packed_loader.py): GGUF matrices straight from the
+file in their quantized format, bf16 checkpoints kept bf16.
 """
 
 import json
@@ -15,8 +17,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from deepinfer_dp.models.default_model import convert_gguf, default_model_path
+from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.llama import LlamaForCausalLM, check_supported
+from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
+from deepinfer_dp.worker.cpu_malloc import release_freed_memory
 
 
 @dataclass
@@ -86,14 +90,25 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype,
     return model.to(dtype)
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
-               device: torch.device | str) -> LoadedModel:
-    """Loads `model` (HF directory, .gguf file, or None for the default model)."""
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
+               packed: bool = True) -> LoadedModel:
+    """Loads `model` (HF directory, .gguf file, or None for the default model). With `packed`,
+    a CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format."""
     model_dir = resolve_model_dir(model)
     config = load_hf_config(model_dir)
     device = torch.device(device)
-    net = build_model(config, dtype, device)
-    net.load_weights(iterate_weights(model_dir))
+    if packed and device.type == "cpu" and dtype == torch.float32:
+        if (model_dir / PACKED_FILE).is_file():  # a converted GGUF file
+            weights = read_packed_dir(model_dir, safetensors_files(model_dir))
+        else:
+            weights = pack_bf16(iterate_weights(model_dir))
+        net = build_packed_model(config, weights)
+        del weights
+        release_freed_memory()  # the parts of fused matrices, which glibc would keep resident
+    else:
+        net = build_model(config, dtype, device)
+        net.load_weights(iterate_weights(model_dir))
     net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
                        model_dir=str(model_dir))
+

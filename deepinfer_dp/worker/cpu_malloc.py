@@ -28,3 +28,14 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
                 and mallopt(_M_TOP_PAD, 64 << 20))
+
+
+def release_freed_memory() -> bool:
+    """Hands the heap's free pages back to the OS (after loading, whose temporaries glibc would
+    otherwise keep resident). False where libc has no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

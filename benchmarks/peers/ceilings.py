@@ -1,0 +1,57 @@
+"""The machine's ceilings (fp32 matmul GFLOP/s, memory read GB/s, both on all cores) and
+the default model's cost per token, so that throughputs can be read as shares of what the
+machine can do."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def machine_ceilings(reps: int = 5) -> dict:
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t) / 4)
+    gflops = 2 * 2048**3 / best / 1e9
+    big = torch.ones(128 << 20)  # 512 MB: far beyond the caches
+    big.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    return {"matmul_gflops": gflops, "read_gbs": big.numel() * 4 / best / 1e9, "threads": torch.get_num_threads()}
+
+
+def model_costs(hf_dir: str) -> dict:
+    """Per token: matmul FLOPs, attention FLOPs per context position; per step: bytes of
+    weights as stored packed (norms aside), and fp32 KV bytes per cached position."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from deepinfer_dp.models.default_model import PACKED_FILE
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    matmul_params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    weight_bytes = 0
+    packed = Path(hf_dir) / PACKED_FILE
+    if packed.is_file():
+        with safe_open(packed, framework="np") as f:
+            for name in f.keys():
+                rows, row_bytes = f.get_slice(name).get_shape()
+                weight_bytes += rows * row_bytes
+    return {"matmul_flops": 2 * matmul_params,
+            "attn_flops_per_position": 4 * c.num_attention_heads * head * c.num_hidden_layers,
+            "weight_bytes": weight_bytes or 4 * matmul_params,
+            "kv_bytes_per_position": 2 * c.num_hidden_layers * kv * 4}

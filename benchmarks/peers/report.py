@@ -1,0 +1,72 @@
+"""Prints the peers benchmark: per workload each engine's best tokens/s, the ratios, token
+identity against ours, start time and peak RSS, and our share of the machine's ceilings."""
+
+from __future__ import annotations
+
+import statistics
+
+OURS = "deepinfer-dp"
+
+
+def best_by_engine(rounds: list[list[dict]], workload: str) -> dict[str, dict]:
+    """engine -> {"tok_s": best, "all": [every round], "tokens", "cold_start_s", "peak_rss_gb"}."""
+    out: dict[str, dict] = {}
+    for runs in rounds:
+        for run in runs:
+            w = run.get("workloads", {}).get(workload)
+            if w is None:
+                continue
+            e = out.setdefault(run["engine"], {"tok_s": 0.0, "all": [], "tokens": w["tokens"],
+                                               "cold_start_s": run["cold_start_s"], "peak_rss_gb": 0.0})
+            e["all"].append(w["tok_s"])
+            e["tok_s"] = max(e["tok_s"], w["tok_s"])
+            e["cold_start_s"] = min(e["cold_start_s"], run["cold_start_s"])
+            e["peak_rss_gb"] = max(e["peak_rss_gb"], run["peak_rss_gb"])
+    return out
+
+
+def identity(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    if same == len(ours):
+        return f"{same}/{len(ours)} identical"
+    first = [next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+             for a, b in zip(ours, theirs, strict=True) if a != b]
+    return f"{same}/{len(ours)} identical (others diverge at token {statistics.median(first):.0f}, median)"
+
+
+def shares(tok_s: float, w: dict, costs: dict, ceilings: dict) -> str:
+    """Decode-step estimate; the measured time includes prefill, so these are lower bounds."""
+    batch = len(w["prompts"])
+    ctx = statistics.mean(len(p) for p in w["prompts"]) + w["max_tokens"] / 2
+    flops = costs["matmul_flops"] + costs["attn_flops_per_position"] * ctx
+    step_bytes = costs["weight_bytes"] + batch * ctx * costs["kv_bytes_per_position"]
+    compute = tok_s * flops / (ceilings["matmul_gflops"] * 1e9)
+    memory = tok_s / batch * step_bytes / (ceilings["read_gbs"] * 1e9)
+    return f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
+
+
+def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: dict, skipped: list[str]) -> None:
+    print(f"machine: fp32 matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read {ceilings['read_gbs']:.1f} GB/s "
+          f"({ceilings['threads']} threads); model: {costs['matmul_flops'] / 1e9:.2f} GFLOP/token in matmuls, "
+          f"{costs['weight_bytes'] / 2**20:.0f} MiB of weights as stored")
+    for name in spec["workloads"]:
+        w = spec["workloads"][name]
+        engines = best_by_engine(rounds, name)
+        print(f"\n{name}: {len(w['prompts'])} prompts x ~{statistics.mean(len(p) for p in w['prompts']):.0f} "
+              f"prompt tokens x {w['max_tokens']} new tokens")
+        print(f"  {'engine':<13} {'tok/s best':>10}  {'rounds':<22} {'ours vs it':>10}  {'start s':>7} "
+              f"{'peak RSS GB':>11}  tokens vs ours")
+        ours = engines.get(OURS)
+        for engine, e in engines.items():
+            ratio = f"{ours['tok_s'] / e['tok_s']:.2f}x" if ours and engine != OURS else ""
+            same = identity(ours["tokens"], e["tokens"]) if ours and engine != OURS else ""
+            rounds_s = ", ".join(f"{x:.1f}" for x in e["all"])
+            print(f"  {engine:<13} {e['tok_s']:>10.1f}  {rounds_s:<22} {ratio:>10}  {e['cold_start_s']:>7.1f} "
+                  f"{e['peak_rss_gb']:>11.2f}  {same}")
+        if ours:
+            print(f"  {shares(ours['tok_s'], w, costs, ceilings)}")
+    for s in skipped:
+        print(f"skipped: {s}")
+    for run in (r for runs in rounds for r in runs if "error" in r):
+        print(f"failed: {run['engine']}: {run['error']}")
+    print("(numbers from one run; compare engines only within it)")

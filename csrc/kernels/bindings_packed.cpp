@@ -1,0 +1,132 @@
+// pybind11 entry for the packed-weight kernels (packed_linear.h): checks the format, the
+// shapes and the row ids up front, so a bad call raises ValueError("<op>: <what>") instead of
+// reading out of bounds, then drops the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "packed_linear.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+
+namespace deepinfer {
+
+namespace {
+
+using F32 = py::array_t<float, py::array::c_style>;
+using U8 = py::array_t<uint8_t, py::array::c_style>;
+using I64 = py::array_t<int64_t, py::array::c_style>;
+
+// Packed bytes per thread below which splitting is not worth waking a worker (about what
+// the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
+constexpr int64_t kMinBytesPerThread = 1 << 15;
+
+void need(bool ok, const char *op, const std::string &what) {
+  if (!ok) throw py::value_error(std::string(op) + ": " + what);
+}
+
+WeightFormat parse_format(const std::string &name, const char *op) {
+  if (name == "bf16") return WeightFormat::kBF16;
+  if (name == "q4_0") return WeightFormat::kQ4_0;
+  if (name == "q4_1") return WeightFormat::kQ4_1;
+  if (name == "q8_0") return WeightFormat::kQ8_0;
+  throw py::value_error(std::string(op) + ": unknown weight format '" + name + "' (bf16, q4_0, q4_1, q8_0)");
+}
+
+// The matrix behind `weight` [rows, row_bytes] uint8, checked against format and cols.
+PackedMatrix matrix(const U8 &weight, const std::string &format, int cols, const char *op) {
+  need(weight.ndim() == 2, op, "want weight [rows, bytes per row] uint8");
+  const WeightFormat f = parse_format(format, op);
+  const size_t row_bytes = packed_row_bytes(f, cols);
+  need(row_bytes > 0, op, "cols=" + std::to_string(cols) + " does not fit " + format + "'s blocks");
+  need(static_cast<size_t>(weight.shape(1)) == row_bytes, op,
+       "weight rows hold " + std::to_string(weight.shape(1)) + " bytes, " + format + " x " + std::to_string(cols) +
+           " needs " + std::to_string(row_bytes));
+  return PackedMatrix{weight.data(), static_cast<int>(weight.shape(0)), cols, row_bytes, f};
+}
+
+int parts_for(const PackedMatrix &w, int num_threads, int rows) {
+  const int64_t bytes = static_cast<int64_t>(rows) * static_cast<int64_t>(w.row_bytes);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, bytes / kMinBytesPerThread)));
+}
+
+void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format, int cols,
+                      const std::optional<F32> &bias, F32 &out, int num_threads) {
+  const char *op = "packed_linear";
+  const PackedMatrix w = matrix(weight, format, cols, op);
+  need(x.ndim() == 2 && out.ndim() == 2, op, "want x [M, K], out [M, N]");
+  need(x.shape(1) == cols, op, "x's K differs from the weight's cols");
+  const int M = static_cast<int>(x.shape(0)), N = w.rows;
+  need(out.shape(0) == M && out.shape(1) == N, op, "out must be [M, N]");
+  need(out.writeable(), op, "out must be writable");
+  need(!bias || (bias->ndim() == 1 && bias->shape(0) == N), op, "bias must be [N]");
+  need(num_threads >= 1, op, "num_threads must be >= 1");
+  const float *xp = x.data(), *bp = bias ? bias->data() : nullptr;
+  float *yp = out.mutable_data();
+  py::gil_scoped_release release;
+  const int parts = parts_for(w, num_threads, N);
+  const int step = ((N + parts - 1) / parts + 2) / 3 * 3;  // whole groups of 3 rows
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
+    if (begin < end) packed_linear_columns(xp, w, bp, yp, M, begin, end);
+  });
+}
+
+void packed_widen_py(const U8 &weight, const std::string &format, int cols, int begin, int end, F32 &out,
+                     int num_threads) {
+  const char *op = "packed_widen";
+  const PackedMatrix w = matrix(weight, format, cols, op);
+  need(0 <= begin && begin <= end && end <= w.rows, op, "rows [begin, end) outside the matrix");
+  need(out.ndim() == 2 && out.shape(0) == end - begin && out.shape(1) == cols, op, "out must be [end - begin, cols]");
+  need(out.writeable(), op, "out must be writable");
+  need(num_threads >= 1, op, "num_threads must be >= 1");
+  float *op_ = out.mutable_data();
+  py::gil_scoped_release release;
+  const int rows = end - begin, parts = std::min(parts_for(w, num_threads, rows), std::max(rows, 1));
+  const int step = (rows + parts - 1) / parts;
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int b = begin + std::min(rows, p * step), e = begin + std::min(rows, (p + 1) * step);
+    widen_rows(w, b, e, op_ + static_cast<size_t>(b - begin) * cols);
+  });
+}
+
+void packed_gather_py(const U8 &weight, const std::string &format, int cols, const I64 &ids, F32 &out) {
+  const char *op = "packed_gather";
+  const PackedMatrix w = matrix(weight, format, cols, op);
+  need(ids.ndim() == 1, op, "want ids [T]");
+  const int T = static_cast<int>(ids.shape(0));
+  need(out.ndim() == 2 && out.shape(0) == T && out.shape(1) == cols, op, "out must be [T, cols]");
+  need(out.writeable(), op, "out must be writable");
+  const int64_t *idp = ids.data();
+  for (int t = 0; t < T; ++t)
+    need(idp[t] >= 0 && idp[t] < w.rows, op,
+         "id " + std::to_string(idp[t]) + " outside [0, " + std::to_string(w.rows) + ")");
+  float *op_ = out.mutable_data();
+  py::gil_scoped_release release;
+  for (int t = 0; t < T; ++t) widen_row(w, static_cast<int>(idp[t]), op_ + static_cast<size_t>(t) * cols);
+}
+
+}  // namespace
+
+void bind_packed_kernels(py::module_ &m) {
+  m.def("packed_linear", &packed_linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
+        py::arg("format"), py::arg("cols"), py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(),
+        py::arg("num_threads") = 1,
+        "out[M, N] = x[M, cols] @ W.T (+ bias[N]) in fp32, W [N, cols] packed as `format` (bf16, q4_0,\n"
+        "q4_1, q8_0; weight holds its bytes, [N, bytes per row] uint8) and widened in cache; bit for bit\n"
+        "what `linear` gives on the widened matrix. num_threads > 1 splits the output columns.");
+  m.def("packed_widen", &packed_widen_py, py::arg("weight").noconvert(), py::arg("format"), py::arg("cols"),
+        py::arg("begin"), py::arg("end"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
+        "Widens rows [begin, end) of a packed matrix into out [end - begin, cols] float32 (the values\n"
+        "gguf's dequantize gives).");
+  m.def("packed_gather", &packed_gather_py, py::arg("weight").noconvert(), py::arg("format"), py::arg("cols"),
+        py::arg("ids").noconvert(), py::arg("out").noconvert(),
+        "out[t] = row ids[t] of a packed matrix, widened to float32 (an embedding lookup).");
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,28 @@
+// y = x · wᵀ + b with w kept packed (Q4_0, Q4_1, Q8_0, bf16; see packed_weights.h) and x, y,
+// b in fp32: the matrix product of decode-sized batches for models that run from their
+// stored format. Each group of 3 weight rows is widened once into a small buffer that stays
+// in the L1 cache and then goes through the fp32 register tiles of cpu_linear.h against
+// every input row, so the result is bit for bit what linear_columns gives on the widened
+// matrix, whatever the row count or the thread split, while memory carries only the packed
+// bytes (Q4_1: 5 bits a weight instead of 32). At one input row (batch 1) the blocks are
+// widened in registers straight into the same chain of multiply-adds, with no buffer.
+//
+// This is the API other CPU kernels (MoE experts) call: "a packed weight matrix times fp32
+// rows".
+#pragma once
+
+#include "packed_weights.h"
+
+namespace deepinfer {
+
+// x [M, w.cols], bias [w.rows] or nullptr, y [M, w.rows]; computes the output columns
+// [n_begin, n_end) only, so callers can split them across threads (in multiples of 3 to
+// keep every group of rows whole; any split gives the same values).
+void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
+                           int n_end);
+
+// Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
+// embedding lookups of a few rows).
+void widen_rows(const PackedMatrix &w, int begin, int end, float *out);
+
+}  // namespace deepinfer

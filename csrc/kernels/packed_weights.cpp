@@ -1,0 +1,124 @@
+#include "packed_weights.h"
+
+#include <cstring>
+
+#include "packed_blocks.h"
+
+namespace deepinfer {
+
+namespace {
+
+constexpr int kBlock = 32;
+
+// IEEE half -> float, exact (every half is a float).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (mant << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    exp = 113;
+    while (!(mant & 0x400)) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float scale_at(const uint8_t *p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// The portable loops: block layouts as ggml defines them. A Q4 block's byte j holds value j
+// in its low nibble and value j + 16 in its high one.
+void widen_scalar(const PackedMatrix &w, const uint8_t *row, float *out) {
+  const int blocks = w.cols / kBlock;
+  switch (w.format) {
+    case WeightFormat::kBF16:
+      for (int k = 0; k < w.cols; ++k) {
+        uint32_t bits = static_cast<uint32_t>(row[2 * k] | (row[2 * k + 1] << 8)) << 16;
+        std::memcpy(out + k, &bits, 4);
+      }
+      break;
+    case WeightFormat::kQ4_0:
+      for (int b = 0; b < blocks; ++b, row += 18, out += kBlock) {
+        const float d = scale_at(row);
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * static_cast<float>((row[2 + j] & 0xf) - 8);
+          out[j + 16] = d * static_cast<float>((row[2 + j] >> 4) - 8);
+        }
+      }
+      break;
+    case WeightFormat::kQ4_1:
+      for (int b = 0; b < blocks; ++b, row += 20, out += kBlock) {
+        const float d = scale_at(row), m = scale_at(row + 2);
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * static_cast<float>(row[4 + j] & 0xf) + m;
+          out[j + 16] = d * static_cast<float>(row[4 + j] >> 4) + m;
+        }
+      }
+      break;
+    case WeightFormat::kQ8_0:
+      for (int b = 0; b < blocks; ++b, row += 34, out += kBlock) {
+        const float d = scale_at(row);
+        for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(row[2 + j]));
+      }
+      break;
+  }
+}
+
+#ifdef DEEPINFER_PACKED_AVX2
+__attribute__((target("avx2,fma,f16c"))) void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
+  using namespace packed_detail;
+  if (w.format == WeightFormat::kBF16 && w.cols % 32) return widen_scalar(w, row, out);
+  const size_t step = block_bytes(w.format);
+  __m256 v[4];
+  for (int k = 0; k < w.cols; k += 32, row += step) {
+    widen_block(w.format, row, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, v[i]);
+  }
+}
+
+bool use_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+#endif
+
+}  // namespace
+
+size_t packed_row_bytes(WeightFormat format, int cols) {
+  if (cols <= 0) return 0;
+  if (format == WeightFormat::kBF16) return static_cast<size_t>(cols) * 2;
+  if (cols % kBlock) return 0;
+  const size_t blocks = static_cast<size_t>(cols / kBlock);
+  switch (format) {
+    case WeightFormat::kQ4_0: return blocks * 18;
+    case WeightFormat::kQ4_1: return blocks * 20;
+    case WeightFormat::kQ8_0: return blocks * 34;
+    default: return 0;
+  }
+}
+
+int packed_block_size(WeightFormat format) { return format == WeightFormat::kBF16 ? 1 : kBlock; }
+
+void widen_row(const PackedMatrix &w, int row, float *out) {
+  const uint8_t *p = w.data + static_cast<size_t>(row) * w.row_bytes;
+#ifdef DEEPINFER_PACKED_AVX2
+  if (use_avx2()) return widen_avx2(w, p, out);
+#endif
+  widen_scalar(w, p, out);
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,161 @@
+"""Weights kept in the format they are stored in, widened to fp32 inside the CPU kernels.
+
+The default model is a GGUF file with Q4_1 layers and a Q8_0 embedding, and most Hugging
+Face checkpoints are bf16. Widening them to fp32 at load makes every decode step read 2-6x
+more bytes than the file holds; here they stay packed and `_C.packed_linear` widens each
+group of weight rows in the L1 cache right before using it. Widening is exact (gguf's
+dequantize and a bf16 -> fp32 cast give the same values), and the fp32 arithmetic after it
+is `_C.linear`'s, so outputs equal those of the widened fp32 model: transformers on the
+dequantized checkpoint stays the oracle.
+
+Large prefill chunks widen the matrix into a reused fp32 buffer, a slice of rows at a time,
+and use torch's GEMM, which is faster there.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_dp import _C
+from deepinfer_dp.layers import cpu_threads
+
+# format -> (values per block, bytes per block), as ggml lays them out.
+FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+
+# Rows up to which the packed kernel runs; larger batches widen and use torch's GEMM.
+# benchmarks/kernel_crossover.py on SmolLM2's Q4_1 layers, 2 threads: the kernel is 4-8x
+# faster up to 128 rows (widening a whole matrix costs more than the product there), 2.1x
+# at 512, and the GEMM wins from about 1024 on.
+KERNEL_MAX_ROWS = 512
+# Floats widened at once for a GEMM (16 MB): a whole layer of a small model, a slice of a
+# large vocabulary's lm_head.
+WIDEN_CHUNK_FLOATS = 4 << 20
+
+_scratch = threading.local()  # one widening buffer per thread (DP ranks may share a process)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [rows, cols] matrix in nn.Linear's layout, stored as `format`'s bytes per row."""
+
+    data: np.ndarray  # uint8 [rows, bytes per row], C-contiguous
+    format: str
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown packed format {self.format!r}; known: {sorted(FORMATS)}")
+        values, nbytes = FORMATS[self.format]
+        if self.cols % values or self.data.ndim != 2 or self.data.dtype != np.uint8 \
+                or self.data.shape[1] != self.cols // values * nbytes or not self.data.flags.c_contiguous:
+            raise ValueError(f"{self.format} matrix of {self.cols} columns: want C-contiguous uint8 "
+                             f"[rows, {self.cols // max(values, 1) * nbytes}], got {self.data.dtype} "
+                             f"{list(self.data.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @classmethod
+    def from_bf16(cls, tensor: torch.Tensor) -> PackedWeight:
+        if tensor.dtype != torch.bfloat16 or tensor.dim() != 2:
+            raise ValueError(f"want a 2-D bf16 tensor, got {tensor.dtype} {list(tensor.shape)}")
+        raw = tensor.contiguous().view(torch.int16).numpy().view(np.uint8)
+        return cls(np.ascontiguousarray(raw), "bf16", tensor.shape[1])
+
+    @classmethod
+    def concat(cls, parts: list[PackedWeight]) -> PackedWeight:
+        """The rows of `parts` one after another (q, k, v fused into one projection)."""
+        if len({(p.format, p.cols) for p in parts}) != 1:
+            raise ValueError("packed matrices to concatenate differ in format or columns")
+        return cls(np.concatenate([p.data for p in parts]), parts[0].format, parts[0].cols)
+
+    def widen(self, begin: int = 0, end: int | None = None, out: torch.Tensor | None = None,
+              threads: int = 1) -> torch.Tensor:
+        """Rows [begin, end) as fp32 [end - begin, cols] (into `out` when given)."""
+        end = self.rows if end is None else end
+        if out is None:
+            out = torch.empty(end - begin, self.cols)
+        _C.packed_widen(self.data, self.format, self.cols, begin, end, out.numpy(), threads)
+        return out
+
+
+def _widen_buffer(floats: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _scratch.buf = torch.empty(floats)
+    return buf
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ + b with W packed; x and y fp32 on CPU."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight_packed = weight
+        self.in_features, self.out_features = weight.cols, weight.rows
+        if bias is not None and tuple(bias.shape) != (weight.rows,):
+            raise ValueError(f"bias of shape {list(bias.shape)} for {weight.rows} outputs")
+        # A parameter, so that a model's load_weights fills it in like any other.
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        if rows > KERNEL_MAX_ROWS:
+            out = self._widened_gemm(x2)
+        else:
+            out = torch.empty(rows, self.out_features)
+            w = self.weight_packed
+            bias = None if self.bias is None else self.bias.detach().numpy()
+            _C.packed_linear(x2.numpy(), w.data, w.format, w.cols, bias, out.numpy(),
+                             cpu_threads.wide_threads() or torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        w, threads = self.weight_packed, cpu_threads.wide_threads() or torch.get_num_threads()
+        step = max(1, WIDEN_CHUNK_FLOATS // w.cols)
+        with cpu_threads.wide():
+            if step >= w.rows:
+                return F.linear(x, self._widened(0, w.rows, threads), self.bias)
+            out = torch.empty(x.shape[0], w.rows)
+            for begin in range(0, w.rows, step):
+                end = min(w.rows, begin + step)
+                bias = None if self.bias is None else self.bias[begin:end]
+                out[:, begin:end] = F.linear(x, self._widened(begin, end, threads), bias)
+            return out
+
+    def _widened(self, begin: int, end: int, threads: int) -> torch.Tensor:
+        """Rows [begin, end) widened into this thread's reused buffer."""
+        w, floats = self.weight_packed, (end - begin) * self.weight_packed.cols
+        return w.widen(begin, end, _widen_buffer(floats)[:floats].view(end - begin, w.cols), threads)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.weight_packed.format}, bias={self.bias is not None}")
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding lookup from a packed [vocab, hidden] table (rows widened as looked up)."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.weight_packed = weight
+        self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        w = self.weight_packed
+        _C.packed_gather(w.data, w.format, w.cols, flat.numpy(), out.numpy())
+        return out.reshape(*ids.shape, self.embedding_dim)

@@ -1,0 +1,106 @@
+"""Builds a CPU fp32 model whose matrices stay in their stored format (see layers/packed.py).
+
+GGUF files: Q4_0, Q4_1, Q8_0 and BF16 matrices run from their blocks as stored (the
+default model: Q4_1 layers, a Q8_0 embedding tied to the lm_head), read from the packed
+copy the converter keeps next to the fp32 one (parsing the GGUF file itself takes seconds:
+its 49k-token vocabulary); other GGUF types (F16, the K-quants) are widened to fp32 at load.
+Hugging Face directories: bf16 matrices stay bf16. Norms and biases are widened to fp32 (they are small).
+
+A fused projection (q/k/v, gate/up) is packed when all its parts share one format;
+otherwise it is widened. The embedding of a tied model is packed once and serves as the
+lm_head too, so the lm_head runs from the stored embedding (Q8_0 in the default model):
+it is a fifth of a decode step's arithmetic and a third of its weight bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+from deepinfer_dp.models.default_model import PACKED_FILE
+from deepinfer_dp.models.llama import LlamaForCausalLM
+
+Weights = dict[str, "torch.Tensor | PackedWeight"]
+
+
+def read_packed_dir(model_dir: Path, files: list[Path]) -> Weights:
+    """A converted GGUF file's tensors: the packed matrices of packed.safetensors, and from
+    the checkpoint `files` (fp32) only the tensors that are not packed there."""
+    weights: Weights = {}
+    with safe_open(model_dir / PACKED_FILE, framework="np") as f:
+        layout = f.metadata()
+        for name in f.keys():
+            fmt, cols = layout[name].split(":")
+            weights[name] = PackedWeight(f.get_tensor(name), fmt, int(cols))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name not in weights:
+                    weights[name] = f.get_tensor(name)
+    return weights
+
+
+def pack_bf16(named: Iterable[tuple[str, torch.Tensor]]) -> Weights:
+    """A Hugging Face checkpoint's tensors, its bf16 matrices packed."""
+    return {name: PackedWeight.from_bf16(t) if _is_matrix(name) and t.dtype == torch.bfloat16 else t
+            for name, t in named}
+
+
+def _is_matrix(name: str) -> bool:
+    return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+
+
+def build_packed_model(config, weights: Weights) -> LlamaForCausalLM:
+    """A CPU fp32 model: packed modules where `weights` has packed matrices, fp32 params
+    (loaded the usual way) for the rest."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    used = _install_packed(model, weights)
+    model.to_empty(device="cpu")
+    tied = model.tie_word_embeddings
+    if tied and not isinstance(model.lm_head, PackedLinear):  # to_empty broke the sharing
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rest = ((n, t.widen() if isinstance(t, PackedWeight) else t) for n, t in weights.items() if n not in used)
+    model.load_weights(rest, loaded_elsewhere=used)
+    return model
+
+
+def _install_packed(model: LlamaForCausalLM, weights: Weights) -> set[str]:
+    """Swaps in packed modules; returns the checkpoint names they consumed."""
+    used: set[str] = set()
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _packed(attn.qkv_proj, weights, used,
+                                [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+        attn.o_proj = _packed(attn.o_proj, weights, used, [p + "self_attn.o_proj.weight"])
+        mlp.gate_up_proj = _packed(mlp.gate_up_proj, weights, used,
+                                   [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        mlp.down_proj = _packed(mlp.down_proj, weights, used, [p + "mlp.down_proj.weight"])
+    embed = weights.get("model.embed_tokens.weight")
+    if isinstance(embed, PackedWeight):
+        model.model.embed_tokens = PackedEmbedding(embed)
+        used.add("model.embed_tokens.weight")
+    if "lm_head.weight" not in weights:
+        model.tie_word_embeddings = True  # a checkpoint without lm_head shares the embedding
+    if model.tie_word_embeddings:
+        if isinstance(embed, PackedWeight):
+            model.lm_head = PackedLinear(embed)
+    else:
+        model.lm_head = _packed(model.lm_head, weights, used, ["lm_head.weight"])
+    return used
+
+
+def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str]) -> nn.Module:
+    parts = [weights.get(n) for n in names]
+    if not all(isinstance(w, PackedWeight) for w in parts) \
+            or len({(w.format, w.cols) for w in parts}) != 1:
+        return linear  # widened at load, as an fp32 nn.Linear
+    used.update(names)
+    # The bias stays a (meta) parameter: load_weights fills it in like any other.
+    return PackedLinear(parts[0] if len(parts) == 1 else PackedWeight.concat(parts), linear.bias)
