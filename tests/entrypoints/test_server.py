@@ -334,7 +334,7 @@ def test_serve_command_with_a_config_file(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--config",
            str(root / "configs" / "tiny_test.yaml"), "--model", model_dir, "--dp-size", "1", "--port", str(port),
            "--served-model-name", "cli-model"]

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 from server_utils import HAVE_ROUTER, MODEL_NAME, NO_ROUTER_REASON, served, tiny_model_dir  # noqa: E402
 
-MONITORING = Path(__file__).resolve().parent.parent / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 METRIC_NAME = re.compile(r"deepinfer:[A-Za-z0-9_:]+")
 PROMETHEUS_WAIT_S = 120  # a generous bound on start-up plus a few scrapes: a hang guard, not a check
 needs_prometheus = pytest.mark.skipif(

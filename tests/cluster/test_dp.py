@@ -20,7 +20,7 @@ from dp_utils import collect_outcomes
 
 from deepinfer_dp.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Eight prompts of different lengths; max_num_seqs=2 makes the busy rank take many steps.
 PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.",
            "What is 2 + 2?", "List three colors.", "Once upon a time",
