@@ -121,8 +121,6 @@ def make_dp_client(model: str | None, dp_size: int, served_model_name: str | Non
 
 def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `deepinfer-dp serve` (after add_serve_args)."""
-    from dataclasses import asdict
-
     from deepinfer_dp.config_file import ConfigError, load_config
 
     if args.model_path is not None:
@@ -131,8 +129,7 @@ def run_serve(args: argparse.Namespace) -> None:
         deployment = load_config(args)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
-    engine = {k: v for k, v in asdict(deployment.engine_config()).items()
-              if k not in ("model", "dp_size", "dp_rank")}
+    engine = deployment.engine_options()
     name = args.served_model_name or default_model_name(deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
