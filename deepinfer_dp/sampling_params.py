@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # Temperatures below this are treated as greedy: dividing logits by ~0
 # overflows to inf/NaN, and the argmax is what the user meant anyway.
 GREEDY_EPS = 1e-5
+# What torch.Generator.manual_seed accepts: int64 (OpenAI's seed) and uint64 values.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -61,6 +63,8 @@ class SamplingParams:
             _fail("min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                _fail("seed", "must fit in 64 bits, [-2**63, 2**64 - 1]", self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)

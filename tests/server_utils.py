@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +12,6 @@ from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_clien
 
 MODEL_NAME = "tiny-llama"
 ENGINE_OPTIONS = {"kv_cache_memory_gb": 0.02, "block_size": 16, "seed": 0}
-HAVE_ROUTER = importlib.util.find_spec("deepinfer_dp.cluster.router") is not None
-NO_ROUTER_REASON = ("DP=2 serving needs deepinfer_dp.cluster.router (the DP router of issue 4), "
-                    "which does not exist here")
 
 
 def tiny_model_dir(root: Path) -> str:
@@ -26,10 +21,10 @@ def tiny_model_dir(root: Path) -> str:
 @contextlib.contextmanager
 def served(model_dir: str, api_key: str | None = None, dp_size: int = 1, **options) -> Iterator[ServerThread]:
     """A real uvicorn server on a free 127.0.0.1 port over one in-process engine (dp_size 1) or
-    the DP router over dp_size Ray ranks; everything is stopped after."""
+    the router process over dp_size Ray ranks (in the session's Ray: use the ray_cluster
+    fixture); everything is stopped after."""
     options = {**ENGINE_OPTIONS, **options}
     if dp_size > 1:
-        os.environ["RAY_AUTH_MODE"] = "disabled"
         client = make_dp_client(model_dir, dp_size, MODEL_NAME, "round_robin", **options)
     else:
         client = make_local_client(model_dir, MODEL_NAME, **options)

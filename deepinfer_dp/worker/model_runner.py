@@ -59,7 +59,7 @@ class ModelRunner:
         t = torch.from_numpy(array)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def prepare(self, out: _C.SchedulerOutput, prev_tokens: torch.Tensor | None) -> ModelInput:
+    def prepare(self, out: _C.SchedulerOutput) -> ModelInput:
         inflight_src = self._tensor(out.input_from_prev) if out.has_inflight_inputs else None
         qsl = out.query_start_loc
         seq_lens = out.seq_lens
@@ -76,7 +76,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         return ModelInput(self._tensor(out.input_ids), self._tensor(out.positions), md,
-                          self._tensor(out.sample_indices), inflight_src, prev_tokens)
+                          self._tensor(out.sample_indices), inflight_src)
 
     def placeholder_input(self) -> ModelInput:
         """One dummy token at position 0 in the reserved block 0: the same forward pass as a

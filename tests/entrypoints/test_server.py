@@ -52,7 +52,7 @@ def server(model_dir):
 def offline(model_dir):
     llm = LLM(model_dir, **ENGINE_OPTIONS)
     yield llm
-    llm.llm_engine.shutdown()
+    llm.shutdown()
 
 
 @pytest.fixture

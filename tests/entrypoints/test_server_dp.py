@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server over a DP=2 cluster of a tiny model: the router of
-deepinfer_dp.cluster (issue 4) over two lockstep Ray ranks, hit with the real `openai` client.
+"""The OpenAI-compatible server over a DP=2 cluster of a tiny model: the router process of
+deepinfer_dp.cluster over two lockstep Ray ranks, hit with the real `openai` client.
 Greedy results equal the offline DP=1 LLM results; concurrent requests land on both ranks; a
 client that disconnects mid-stream gets its request aborted on its rank, which frees its blocks.
 """
@@ -16,9 +16,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 from server_utils import (  # noqa: E402
     ENGINE_OPTIONS,
-    HAVE_ROUTER,
     MODEL_NAME,
-    NO_ROUTER_REASON,
     served,
     tiny_model_dir,
 )
@@ -28,7 +26,6 @@ from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Data parallel ranks step", "What is the capital of"]
 MAX_TOKENS = 12
-pytestmark = pytest.mark.skipif(not HAVE_ROUTER, reason=NO_ROUTER_REASON)
 
 
 def greedy(max_tokens=MAX_TOKENS):
@@ -44,11 +41,11 @@ def model_dir(tmp_path_factory):
 def offline(model_dir):
     llm = LLM(model_dir, **ENGINE_OPTIONS)
     yield llm
-    llm.llm_engine.shutdown()
+    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def dp_server(model_dir):
+def dp_server(model_dir, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
         yield srv
 

@@ -18,7 +18,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from server_utils import HAVE_ROUTER, MODEL_NAME, NO_ROUTER_REASON, served, tiny_model_dir  # noqa: E402
+from server_utils import MODEL_NAME, served, tiny_model_dir  # noqa: E402
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 METRIC_NAME = re.compile(r"deepinfer:[A-Za-z0-9_:]+")
@@ -28,10 +28,11 @@ needs_prometheus = pytest.mark.skipif(
     reason="Prometheus is not installed (Debian: apt-get install -y prometheus)")
 
 
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.skipif(
-    not HAVE_ROUTER, reason=NO_ROUTER_REASON))], ids=["dp1", "dp2"])
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
 def server(request, tmp_path_factory):
     """A served tiny model after two requests (round robin: one per rank at DP=2)."""
+    if request.param > 1:
+        request.getfixturevalue("ray_cluster")
     with served(tiny_model_dir(tmp_path_factory.mktemp("models")), dp_size=request.param) as srv:
         srv.dp_size = request.param
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
+from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.entrypoints.openai.detokenizer import IncrementalDetokenizer
 from deepinfer_dp.entrypoints.openai.protocol import SamplingFields
 from deepinfer_dp.entrypoints.openai.stop_watch import StopWatch
 from deepinfer_dp.metrics import ServerMetrics
-from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 128
 # What a checked request becomes: token ids per prompt, engine params per prompt, stop strings.
@@ -83,24 +84,15 @@ def stop_strings(req: SamplingFields) -> list[str]:
 
 
 def check_prompt(ids: list[int], max_tokens: int | None, client: EngineClient, which: str = "prompt") -> int:
-    """Checks one tokenized prompt; returns the max_tokens to ask for."""
-    if not ids:
-        raise bad_request(f"{which} is empty", "prompt")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < client.vocab_size:
-            raise bad_request(f"{which}: token id {t!r} at position {i} is outside the vocabulary "
-                              f"[0, {client.vocab_size})", "prompt")
-    room = client.max_model_len - len(ids)
+    """Checks one tokenized prompt with the engine's validator; returns the max_tokens to ask for."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if max_tokens is None:
-        max_tokens = max(1, room)  # as much as fits; a prompt that fills the context fails below
-    if room < max_tokens:
-        raise bad_request(f"This model's maximum context length is {client.max_model_len} tokens. However, "
-                          f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {which}, "
-                          f"{max_tokens} for the completion). Please reduce the length of the prompt or "
-                          f"max_tokens.", "max_tokens" if room > 0 else "prompt")
-    return max_tokens
+    try:
+        ids, params = client.input_processor.process(ids, SamplingParams(max_tokens=max_tokens),
+                                                     None if which == "prompt" else which, max_tokens_must_fit=True)
+    except InvalidRequest as e:
+        raise bad_request(str(e), e.param) from e
+    return params.max_tokens
 
 
 async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list[int], params: SamplingParams,
@@ -166,7 +158,8 @@ def _child(params: SamplingParams, i: int) -> SamplingParams:
     if i == 0 or params.seed is None:
         return params
     child = params.clone()
-    child.seed = params.seed + i  # reproducible, yet the n samples differ
+    # reproducible, yet the n samples differ; wrapped to stay a valid 64-bit seed
+    child.seed = (params.seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
     return child
 
 
