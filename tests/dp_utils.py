@@ -43,3 +43,26 @@ def outcome(q: queue.Queue, timeout: float):
         item = q.get(timeout=timeout)
         if isinstance(item, Exception) or item.finished:
             return item
+
+
+def assert_actors_exited_cleanly(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Every Ray actor process in `pids` exited on purpose with status 0 (Ray's own record in
+    the worker's log), and nothing in its stderr says it aborted."""
+    import glob
+    import os
+    import time
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for pid in pids:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = "".join(open(f).read() for f in glob.glob(f"{logs}/python-core-worker-*_{pid}.log"))
+            if "exit_type=" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "exit_type=INTENDED_USER_EXIT" in text and "exit code 0" in text, f"actor {pid}: {text[-2000:]}"
+        err = "".join(open(f).read() for f in glob.glob(f"{logs}/worker-*-{pid}.err"))
+        for sign in ("terminate called", "Aborted", "Fatal Python error", "Traceback"):
+            assert sign not in err, f"actor {pid}: {err[-2000:]}"

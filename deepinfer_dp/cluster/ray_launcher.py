@@ -86,7 +86,7 @@ class RouterActor:
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
-                "store_port": self.store.port}
+                "store_port": self.store.port, "pid": os.getpid()}
 
     def attach_ranks(self, addresses: list[str], actors: list) -> None:
         self.actors = actors
@@ -156,6 +156,7 @@ class RayDeployment:
                 raise cause from e
             raise
         self.frontend = addrs["frontend"]
+        self.router_pid = addrs["pid"]
 
     def kill_rank(self, dp_rank: int) -> None:
         """Kills a rank's process at once, as a crash would (tests, fault drills)."""

@@ -7,6 +7,9 @@ tests/cluster/test_router.py.)"""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -145,3 +148,22 @@ def test_killed_rank_fails_its_requests_and_the_survivor_keeps_serving(ray_llm, 
     assert [h["up"] for h in router.health()] == [True, False]
     # The survivor re-formed a group of one and serves new requests.
     assert token_ids(ray_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from deepinfer_dp import LLM, SamplingParams
+llm = LLM(sys.argv[1], dp_size=2, torch_threads=1, num_kv_blocks=64)
+print(llm.generate(["hello", "world"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
+# no llm.shutdown(): the router and the ranks are stopped at exit all the same
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_that_exits_without_shutdown_exits_cleanly(tiny_model_dir, tmp_path):
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

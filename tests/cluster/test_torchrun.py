@@ -94,3 +94,40 @@ def test_torchrun_exits_cleanly_without_shutdown(tiny_model_dir, tmp_path):
                                "2", str(script), str(tiny_model_dir)], capture_output=True, text=True, timeout=300,
                               cwd=ROOT)
         _clean_exit(proc.returncode, proc.stderr)
+
+
+def test_shutdown_frees_the_dp_group_at_once(tiny_model_dir):
+    """No reference cycle keeps the group alive after shutdown(), even with the garbage
+    collector off: what aborted torchrun runs at interpreter teardown (Gloo threads of a group
+    destroyed during finalization)."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from deepinfer_dp.cluster.torchrun import TorchrunRank
+    from deepinfer_dp.config import EngineConfig
+    from deepinfer_dp.distributed import Lockstep, init_dp_groups
+    from deepinfer_dp.distributed.groups import serve_store
+    from deepinfer_dp.engine.llm_engine import LLMEngine
+    from deepinfer_dp.engine.step_loop import StepLoop
+
+    store = serve_store()
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), torch_threads=1, num_kv_blocks=16))
+    groups = init_dp_groups(0, 1, "127.0.0.1", store.port, torch.device("cpu"), timeout_s=10)
+    engine.lockstep = Lockstep(groups)
+    rank = TorchrunRank(groups, StepLoop(engine))
+    engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=GREEDY)
+    rank.loop.run(lambda outs: None)
+    assert rank.all_gather({"x": 1}) == [{"x": 1}]
+    alive = [weakref.ref(groups), weakref.ref(engine.lockstep), weakref.ref(engine.worker)]
+    del groups
+    gc.disable()
+    try:
+        rank.shutdown()
+        assert [ref() for ref in alive[:2]] == [None, None] and not dist.is_initialized()
+        del engine, rank
+        assert alive[2]() is None  # the worker was not held by a cycle through its engine
+    finally:
+        gc.enable()

@@ -317,17 +317,6 @@ def test_503_when_no_rank_can_take_work(model_dir):
         assert httpx.get(srv.url + "/health").json()["status"] == "down"
 
 
-
-def test_engine_crash_fails_requests_with_503(model_dir):
-    with served(model_dir) as srv:
-        def broken_step():
-            raise RuntimeError("injected step failure")
-
-        srv.client.engine.step = broken_step
-        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
-        assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
-        assert httpx.get(srv.url + "/health").json()["status"] == "down"
-
 def test_serve_command_with_a_config_file(model_dir):
     """`python -m deepinfer_dp.entrypoints.openai.launcher --config ...` (what `deepinfer-dp serve`
     runs): a config file, flags on top, the server answering on 127.0.0.1."""
@@ -354,4 +343,5 @@ def test_serve_command_with_a_config_file(model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]  # SIGTERM: a clean exit
 

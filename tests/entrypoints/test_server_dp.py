@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
+from dp_utils import assert_actors_exited_cleanly  # noqa: E402
 from server_utils import (  # noqa: E402
     ENGINE_OPTIONS,
     MODEL_NAME,
@@ -47,7 +48,10 @@ def offline(model_dir):
 @pytest.fixture(scope="module")
 def dp_server(model_dir, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
+        deployment = srv.client.deployment
         yield srv
+    # shut down: the router and both ranks left on their own, status 0
+    assert_actors_exited_cleanly([deployment.router_pid] + [i["pid"] for i in deployment.infos])
 
 
 @pytest.fixture
@@ -123,3 +127,12 @@ def test_dp2_disconnect_mid_stream_frees_kv_blocks(dp_server):
     assert [s["num_free_blocks"] for s in after] == [s["num_free_blocks"] for s in before]
     generated = sum(a["generation_tokens"] - b["generation_tokens"] for a, b in zip(after, before, strict=True))
     assert generated < 400  # aborted on its rank, not run to the end
+
+
+def test_dp2_a_seed_past_64_bits_is_a_json_400_and_leaves_nothing_in_flight(dp_server):
+    """It used to reach msgspec in the router (a plain-text 500) and leave a phantom request."""
+    body = {"model": MODEL_NAME, "prompt": "hi", "seed": 18446744073709551616, "temperature": 0.5}
+    r = httpx.post(dp_server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    health = httpx.get(dp_server.url + "/health").json()
+    assert health["status"] == "ok" and [h["inflight"] for h in health["ranks"]] == [0, 0]

@@ -30,6 +30,7 @@ class ServerThread:
         self.app = build_app(client, served_model_name, api_key)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
+        self.died = _stop_when_the_engine_dies(client, self.server)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="deepinfer-http", daemon=True)
 
@@ -65,14 +66,23 @@ def run_server(client: EngineClient, served_model_name: str | None = None, api_k
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
-    died: list[BaseException] = []
-    if hasattr(client, "on_fatal"):
-        def stop(error: BaseException) -> None:
-            died.append(error)
-            server.should_exit = True
-        client.on_fatal = stop
+    died = _stop_when_the_engine_dies(client, server)
     server.run(sockets=sockets)
     return 1 if died else 0
+
+
+def _stop_when_the_engine_dies(client: EngineClient, server: uvicorn.Server) -> list[BaseException]:
+    """An in-process engine whose loop failed stops the server, instead of a process that is
+    up but answers 503 forever. Returns the list its error lands in."""
+    died: list[BaseException] = []
+
+    def stop(error: BaseException) -> None:
+        died.append(error)
+        server.should_exit = True
+
+    if hasattr(client, "on_fatal"):
+        client.on_fatal = stop
+    return died
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
