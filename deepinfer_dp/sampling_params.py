@@ -119,6 +119,15 @@ class SamplingParams:
         # Deep copy: the stop lists must not be shared between requests.
         return copy.deepcopy(self)
 
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of n (n=1): seeded samples get seed + index, wrapped
+        to stay a 64-bit seed, so they are reproducible yet differ from each other."""
+        child = self.clone()
+        child.n = 1
+        if self.seed is not None:
+            child.seed = (self.seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        return child
+
 
 def _fail(name: str, rule: str, value: object) -> None:
     raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")

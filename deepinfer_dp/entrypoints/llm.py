@@ -97,9 +97,8 @@ class LLM:
         owners: dict[str, int] = {}
         try:
             for i, p in enumerate(params):
-                for _ in range(p.n):
-                    single = p.clone()
-                    single.n = 1
+                for sample in range(p.n):
+                    single = p.for_sample(sample)
                     rid = self._submitter.add_request(
                         None if prompts is None else prompts[i], single,
                         None if prompt_token_ids is None else prompt_token_ids[i])

@@ -156,7 +156,7 @@ def test_real_prometheus_reads_per_rank_series(server, tmp_path):
         assert all(float(s["value"][1]) >= 6 for s in tokens)  # each rank served a request
         assert [float(s["value"][1]) for s in _query(prom, "deepinfer:rank_up")] == [1.0] * len(ranks)
         steps = _query(prom, "max(deepinfer:engine_steps_total) - min(deepinfer:engine_steps_total)")
-        assert steps, "the lockstep step-count gap is computable from the scraped series"
+        assert [float(s["value"][1]) for s in steps] == [0.0]  # idle ranks in lockstep: the same step count
         ttft = _query(prom, "sum(deepinfer:time_to_first_token_seconds_count)")
         assert float(ttft[0]["value"][1]) == 2.0
         rules = httpx.get(prom + "/api/v1/rules").json()["data"]["groups"]

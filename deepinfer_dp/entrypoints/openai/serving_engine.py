@@ -21,7 +21,7 @@ from deepinfer_dp.entrypoints.openai.detokenizer import IncrementalDetokenizer
 from deepinfer_dp.entrypoints.openai.protocol import SamplingFields
 from deepinfer_dp.entrypoints.openai.stop_watch import StopWatch
 from deepinfer_dp.metrics import ServerMetrics
-from deepinfer_dp.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from deepinfer_dp.sampling_params import SamplingParams
 
 MAX_N = 128
 # What a checked request becomes: token ids per prompt, engine params per prompt, stop strings.
@@ -133,7 +133,7 @@ async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[i
                       params: list[SamplingParams], n: int, stops: list[str]) -> AsyncIterator[ChoiceEvent]:
     """All choices of a request, interleaved as they come; choice index = prompt * n + sample."""
     arrival = time.perf_counter()
-    gens = [run_choice(ctx, request_id, p * n + i, ids, _child(params[p], i), stops, arrival)
+    gens = [run_choice(ctx, request_id, p * n + i, ids, params[p].for_sample(i), stops, arrival)
             for p, ids in enumerate(prompts) for i in range(n)]
     if len(gens) == 1:
         async for event in gens[0]:
@@ -152,15 +152,6 @@ async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[i
             t.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _child(params: SamplingParams, i: int) -> SamplingParams:
-    if i == 0 or params.seed is None:
-        return params
-    child = params.clone()
-    # reproducible, yet the n samples differ; wrapped to stay a valid 64-bit seed
-    child.seed = (params.seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
-    return child
 
 
 async def _pump(gen: AsyncIterator[ChoiceEvent], queue: asyncio.Queue) -> None:
