@@ -216,7 +216,8 @@ class LLMEngine:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
-                "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s, **s.stats}
+                "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
+                "forward_time_s": self.worker.runner.forward_time_s, **s.stats}
 
     def shutdown(self) -> None:
         """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""

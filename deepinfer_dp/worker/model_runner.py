@@ -4,6 +4,7 @@ returns the logits of the rows that sample. Owns the paged KV cache."""
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ class ModelRunner:
             replace_linears(self.model)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # Zero-copy over the scheduler's buffer on CPU; one host-to-device copy on CUDA.
@@ -95,9 +97,16 @@ class ModelRunner:
         )
         return ModelInput(one, one.clone(), md, None)
 
-    @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""
+        start = time.perf_counter()
+        try:
+            return self._forward(inp)
+        finally:
+            self.forward_time_s += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _forward(self, inp: ModelInput) -> torch.Tensor | None:
         input_ids = inp.input_ids
         if inp.inflight_src is not None:
             # Tokens the previous (deferred) step sampled, never read on the host yet.
