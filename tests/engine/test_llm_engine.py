@@ -1,5 +1,6 @@
-"""The engine against Hugging Face transformers (greedy, token-identical) and the seed's
-step-loop contracts: ZOS deferral, flush, pooled outputs, bad input, preemption."""
+"""The engine against Hugging Face transformers (greedy, token-identical) and the contracts of
+its step loop (docs/architecture.md): ZOS deferral, flush, pooled outputs, bad input,
+preemption."""
 
 from __future__ import annotations
 
