@@ -133,7 +133,6 @@ class RouterClient:
         self._outbox.close(linger=500)
         self._ctx.term()
 
-    shutdown = close
 
     # ---- the receiver thread -------------------------------------------------------------------
     def _receive_loop(self) -> None:

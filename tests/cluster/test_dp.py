@@ -20,16 +20,6 @@ from deepinfer_dp.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def dp1_token_ids(tiny_model_dir) -> list[list[int]]:
-    from deepinfer_dp.entrypoints.llm import LLM
-
-    llm = LLM(str(tiny_model_dir), decode_sequence=False, **ENGINE)
-    ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    llm.shutdown()
-    return ids
-
-
-@pytest.fixture(scope="module")
 def ray_llm(tiny_model_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 

@@ -149,8 +149,10 @@ def test_stats_rpc_answers_for_every_rank_even_a_silent_one():
 def test_rejection_no_capacity_and_garbage_on_the_wire():
     with cluster(num_ranks=1) as (router, ranks, liveness, new_client):
         c = new_client()
+        ranks[0].hold = True  # the rank answers with Rejected, not tokens
         got = queue.Queue()
         c.submit("dup", [1], PARAMS, got.put)
+        ranks[0].next_message(p.AddRequest)
         ranks[0].send(p.Rejected(0, "dup", "request dup: refused by the engine"))
         assert isinstance(_outcome(got)[1], RequestRejected)
         junk = zmq.Context.instance().socket(zmq.PUSH)

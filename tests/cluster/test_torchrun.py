@@ -11,19 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from dp_utils import ENGINE, GREEDY, MAX_TOKENS, PROMPTS, token_ids
+from dp_utils import GREEDY, MAX_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def dp1_token_ids(tiny_model_dir) -> list[list[int]]:
-    from deepinfer_dp.entrypoints.llm import LLM
-
-    llm = LLM(str(tiny_model_dir), decode_sequence=False, **ENGINE)
-    ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    llm.shutdown()
-    return ids
 
 
 def _torchrun(model_dir: Path, shard_sizes: str, out: Path, check: bool = True) -> tuple[int, str]:

@@ -8,11 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
-from server_utils import ENGINE_OPTIONS, tiny_model_dir  # noqa: E402
+from server_utils import ENGINE_OPTIONS, serve_command, stop_serve_command, tiny_model_dir  # noqa: E402
 
 from deepinfer_dp.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
@@ -29,34 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [f"Request number {i} says" for i in range(12)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_api_servers_share_a_port_and_the_router(tmp_path):
     model = tiny_model_dir(tmp_path / "models")
     offline = LLM(model, **ENGINE_OPTIONS)
     expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     offline.shutdown()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--config",
-           str(ROOT / "configs" / "tiny_test.yaml"), "--model", model, "--dp-size", "1", "--port", str(port),
-           "--api-server-count", "2", "--served-model-name", "tiny", "--kv-cache-memory-gb", "0.02"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_command("--config", str(ROOT / "configs" / "tiny_test.yaml"), "--model", model,
+                              "--dp-size", "1", "--api-server-count", "2", "--served-model-name", "tiny",
+                              "--kv-cache-memory-gb", "0.02", env={"RAY_AUTH_MODE": "disabled"})
     try:
-        while True:  # until it answers (no time limit: pytest's)
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-
         async def run() -> list[str]:
             aoai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
             rs = await asyncio.gather(*[aoai.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
@@ -70,11 +47,5 @@ def test_two_api_servers_share_a_port_and_the_router(tmp_path):
         assert [float(v) for v in found] == [len(PROMPTS)]
         assert re.search(r'^deepinfer:rank_up{dp_rank="0"} 1.0$', text, re.M)
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+        code = stop_serve_command(proc)
+    assert code == 0, proc.stderr.read()[-3000:]
