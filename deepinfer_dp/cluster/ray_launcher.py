@@ -13,9 +13,11 @@ engine and destroys its DP group, and the actors exit through Ray's graceful ter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 
 import ray
@@ -111,15 +113,31 @@ def ensure_ray(address: str, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if address == "local":
-        # Ray starts workers at nice 15 by default; ranks are the work itself, not helpers,
-        # and a deprioritized rank slows every rank (lockstep).
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
-                 object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
-        return True
-    ray.init(address=address)
-    return False
+    with _keep_signal_handlers():
+        if address == "local":
+            # Ray starts workers at nice 15 by default; ranks are the work itself, not helpers,
+            # and a deprioritized rank slows every rank (lockstep).
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+                     object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
+            return True
+        ray.init(address=address)
+        return False
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers():
+    """ray.init installs a handler that dumps the stack and aborts on SIGTERM; this process's
+    own handlers (a server's graceful stop, or the default: end) are put back after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 class RayDeployment:

@@ -23,6 +23,7 @@ import threading
 
 logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 600.0  # every API server loads its tokenizer and connects to the router
 
 
 def run_api_servers(deployment, served_model_name: str) -> int:
@@ -31,16 +32,17 @@ def run_api_servers(deployment, served_model_name: str) -> int:
     from deepinfer_dp.cluster.ray_launcher import RayDeployment
 
     server = deployment.server
+    stop = threading.Event()  # from here on a signal stops everything cleanly, start-up included
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     cluster = RayDeployment(per_rank_threads(deployment.engine_config()), **deployment.dp_options())
     metrics_dir = tempfile.mkdtemp(prefix="deepinfer_dp_metrics_")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
     sock = _listen(server.host, server.port)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     ctx = mp.get_context("spawn")
+    all_ready = ctx.Barrier(server.api_server_count)  # nobody accepts before every server can
     procs = [ctx.Process(target=_api_server, name=f"api-server-{i}", args=(
-        sock, cluster.frontend, cluster.infos[0], deployment.model, served_model_name, server.api_key,
+        sock, all_ready, cluster.frontend, cluster.infos[0], deployment.model, served_model_name, server.api_key,
         server.host, deployment.metrics.port if i == 0 else None)) for i in range(server.api_server_count)]
     code = 0
     try:
@@ -55,6 +57,10 @@ def run_api_servers(deployment, served_model_name: str) -> int:
                 break
     finally:
         _stop_all(procs)
+        failed = [(proc.name, proc.exitcode) for proc in procs if proc.exitcode not in (0, None)]
+        if failed:
+            logger.error("API servers that did not exit cleanly: %s", failed)
+            code = code or 1
         sock.close()
         cluster.shutdown()
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -80,15 +86,21 @@ def _stop_all(procs: list) -> None:
             proc.join()
 
 
-def _api_server(sock: socket.socket, frontend: str, rank_info: dict, model: str | None, name: str,
+def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, model: str | None, name: str,
                 api_key: str | None, host: str, metrics_port: int | None) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket."""
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # stopped while starting: still status 0
     from deepinfer_dp.cluster.dp_driver import connect
     from deepinfer_dp.entrypoints.openai.launcher import run_server
 
     client = connect(frontend, rank_info, model, name, host)
     try:
+        all_ready.wait(START_TIMEOUT_S)
         code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock])
     finally:
         client.close()
     raise SystemExit(code)
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    raise SystemExit(0)

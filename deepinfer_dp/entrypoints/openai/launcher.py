@@ -10,6 +10,7 @@ router process of deepinfer_dp.cluster (RouterClient, the same EngineClient prot
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 
 import uvicorn
@@ -67,8 +68,21 @@ def run_server(client: EngineClient, served_model_name: str | None = None, api_k
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
     died = _stop_when_the_engine_dies(client, server)
-    server.run(sockets=sockets)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handler it found; with this one that ends here, so the caller stops the engine and the
+    # process exits with status 0 (outside server.run the default handlers apply).
+    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, _already_handled) for sig in handled}
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if died else 0
+
+
+def _already_handled(signum: int, frame) -> None:
+    """uvicorn already shut the server down for this signal."""
 
 
 def _stop_when_the_engine_dies(client: EngineClient, server: uvicorn.Server) -> list[BaseException]:
