@@ -107,11 +107,9 @@ class Router:
             except zmq.Again:
                 return
             try:
-                msg = decoder.decode(raw)
-            except Exception:  # a malformed message must not end the router
-                logger.exception("dropping a message the router cannot decode")
-                continue
-            handle(msg, raw)
+                handle(decoder.decode(raw), raw)
+            except Exception:  # a malformed or unexpected message must not end the router
+                logger.exception("dropping a message the router could not handle")
 
     # ---- from the clients --------------------------------------------------------------------
     def _on_client_message(self, msg, raw: bytes) -> None:

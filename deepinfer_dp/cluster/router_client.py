@@ -142,9 +142,13 @@ class RouterClient:
                 self._last_heard = time.monotonic()
                 while True:
                     try:
-                        self._on_message(p.client_decoder.decode(self._inbox.recv(zmq.NOBLOCK)))
+                        raw = self._inbox.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    try:
+                        self._on_message(p.client_decoder.decode(raw))
+                    except Exception:  # one bad message must not end the receiver thread
+                        logger.exception("dropping a message from the router")
             now = time.monotonic()
             if now - last_beat > HEARTBEAT_S:
                 last_beat = now
@@ -156,8 +160,9 @@ class RouterClient:
     def _on_message(self, msg) -> None:
         if isinstance(msg, p.Deltas):
             for delta in msg.deltas:
-                with self._lock:
-                    sink = self._sinks.pop(delta.request_id) if delta.finished else self._sinks.get(delta.request_id)
+                with self._lock:  # no sink: aborted here while its delta was on the way
+                    sink = (self._sinks.pop(delta.request_id, None) if delta.finished
+                            else self._sinks.get(delta.request_id))
                 if sink is not None:
                     _call(sink, delta)
         elif isinstance(msg, p.RequestError):
