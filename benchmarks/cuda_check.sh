@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks, for a machine with a GPU, run from the repository root:
 #   bash benchmarks/cuda_check.sh OUT_DIR [SMOLLM2_CONFIG_DIR]
-# 1. builds the C++ core; 2. tests/test_cuda.py (fp32 token-identical to transformers on the
+# 1. builds the C++ core; 2. tests/engine/test_cuda.py (fp32 token-identical to transformers on the
 # GPU, bf16, ZOS on/off, preemption, seeded sampling); 3. DP=2 under torchrun, both ranks on
 # one GPU (ZOS on: the lockstep vote rides the CPU group), compared with DP=1; 4. the offline
 # throughput benchmark against transformers on the GPU, on a SmolLM2-shaped model with random
@@ -17,8 +17,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v WARNING | tail -3
 python3 -c "import deepinfer_dp._C" || exit 1
 
-echo "== tests/test_cuda.py"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -25
+echo "== tests/engine/test_cuda.py"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -25
 
 echo "== DP=2 under torchrun on one GPU"
 python3 -c "import sys; sys.path.insert(0, 'tests'); from model_utils import build_tiny_model; \

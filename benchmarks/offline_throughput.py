@@ -43,30 +43,19 @@ def run_ours(args: argparse.Namespace) -> dict:
                          use_tqdm=False)
     cold_start = time.perf_counter() - t0
     assert first and first[0]
-    runner = llm.llm_engine.worker.runner
-    forward_time = [0.0]
-    inner = runner.forward
-
-    def timed_forward(inp):
-        t = time.perf_counter()
-        try:
-            return inner(inp)
-        finally:
-            forward_time[0] += time.perf_counter() - t
-
-    runner.forward = timed_forward
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     result = {"cold_start_s": cold_start, "points": {}}
     for n in points:
         ids = chat_prompts(llm.get_tokenizer(), n)
-        forward_time[0] = 0.0
+        forward_before = llm.rank_stats()[0]["forward_time_s"]
         t = time.perf_counter()
         outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
         wall = time.perf_counter() - t
+        forward_s = llm.rank_stats()[0]["forward_time_s"] - forward_before
         tokens = sum(len(o) for o in outs)
         assert tokens == n * max_tokens
         result["points"][n] = {"tok_s": tokens / wall, "wall_s": wall,
-                               "overhead_share": max(0.0, 1.0 - forward_time[0] / wall)}
+                               "overhead_share": max(0.0, 1.0 - forward_s / wall)}
     result["peak_rss_gb"] = peak_rss_gb()
     return result
 

@@ -1,7 +1,26 @@
-"""deepinfer-dp: a data-parallel LLM serving engine with a C++ core."""
+"""deepinfer-dp: a data-parallel LLM serving engine with a C++ core.
 
-from deepinfer_dp.entrypoints.llm import LLM
+The root imports nothing heavy: `LLM` (torch, transformers) is loaded the first time it is
+used, so light modules (the router's policies, the wire protocol, the config) import fast,
+and a process that never runs a model never loads torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from deepinfer_dp.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_dp.entrypoints.llm import LLM
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from deepinfer_dp.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'deepinfer_dp' has no attribute {name!r}")

@@ -1,78 +1,129 @@
-"""The engine's configuration: one dataclass, checked in one place; the rest trusts it."""
+"""The engine's configuration: one dataclass, checked in one place; the rest trusts it.
+
+Each field is declared once, with its type, default, range and help text. The YAML schema
+(config_file.DeploymentConfig) and the command-line flags (config_file.add_config_args) are
+derived from these declarations, so a new engine option is one line here. Fields marked
+`internal` (set by the launchers, e.g. dp_rank) get no flag and no YAML key.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import torch
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+def _power_of_two(v: int) -> int:
+    if v & (v - 1):
+        raise ValueError("must be a power of two")
+    return v
 
 
-@dataclass
+def _device_name(v: str) -> str:
+    if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+        raise ValueError("must be auto, cpu or cuda[:N]")
+    return v
+
+
+def _path_as_str(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+def _internal(default: Any, help: str, **constraints) -> Any:
+    """A field the launchers set (no flag, no YAML key)."""
+    return Field(default, description=help, json_schema_extra={"internal": True}, **constraints)
+
+
+@dataclass(config=ConfigDict(extra="forbid", strict=True))
 class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill above it)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
-    enable_prefix_caching: bool = True
-    zos: bool = True  # zero-overhead scheduling: defer a decode step's post-processing
-    cpu_linear_kernel: bool = True  # fp32 CPU: decode-sized matrix products through the C++ kernel
-    # fp32 CPU: GGUF Q4_0/Q4_1/Q8_0 and bf16 matrices stay packed, widened inside the kernels
-    packed_weights: bool = True
-    seed: int = 0
-    torch_threads: int | None = None  # None: leave torch's default
-    dp_size: int = 1
-    dp_rank: int = 0
+    model: Annotated[str | None, BeforeValidator(_path_as_str)] = Field(
+        None, description="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    device: Annotated[str, AfterValidator(_device_name)] = Field(
+        "auto", description="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    max_num_seqs: int = Field(256, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step (chunked "
+                                                                "prefill above it)")
+    block_size: Annotated[int, AfterValidator(_power_of_two)] = Field(
+        16, ge=1, description="tokens per KV cache block (a power of two)")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV cache blocks (default: as many as "
+                                                              "kv_cache_memory_gb holds)")
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="memory for the paged KV cache")
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output (default: the "
+                                                              "model's, capped at 8192)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
+    zos: bool = Field(True, description="zero-overhead scheduling: post-process a decode step during "
+                                        "the next one")
+    cpu_linear_kernel: bool = Field(True, description="fp32 on the CPU: decode-sized matrix products "
+                                                      "through the C++ kernel")
+    packed_weights: bool = Field(True, description="fp32 on the CPU: GGUF Q4_0/Q4_1/Q8_0 and bf16 matrices "
+                                                   "stay packed, widened inside the kernels")
+    seed: int = Field(0, description="seed of the global RNG (requests without their own seed)")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: "
+                                                              "$DEEPINFER_DP_TORCH_THREADS or torch's)")
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks")
+    dp_rank: int = _internal(0, "this process's DP rank", ge=0)
 
-    def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "dp_size")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"EngineConfig.num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"EngineConfig.kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"EngineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"EngineConfig.dp_rank must be in [0, dp_size={self.dp_size}), got {self.dp_rank}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"EngineConfig.max_model_len must be at least 2, got {self.max_model_len}")
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> EngineConfig:
+        if self.dp_rank >= self.dp_size:
+            raise ValueError(f"dp_rank: must be in [0, dp_size={self.dp_size}) (got {self.dp_rank})")
+        return self
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        """Like the constructor, but an unknown option is a clear error, not a TypeError."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
-        return cls(**kwargs)
+        """Like the constructor, but every problem is one ValueError line naming the option."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            known = list(EngineConfig.__pydantic_fields__)
+            raise ValueError("invalid engine option(s): " + describe_errors(e, known)) from None
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolved_threads(self) -> int | None:
         if self.torch_threads is not None:
             return self.torch_threads
         env = os.environ.get("DEEPINFER_DP_TORCH_THREADS")
         return int(env) if env else None
+
+
+def engine_fields(include_internal: bool = False) -> dict[str, Any]:
+    """name -> pydantic FieldInfo of every EngineConfig option, in declaration order."""
+    return {name: f for name, f in EngineConfig.__pydantic_fields__.items()
+            if include_internal or not (f.json_schema_extra or {}).get("internal")}
+
+
+def describe_errors(e: ValidationError, known: list[str] | None = None) -> str:
+    """`key: what is wrong (got value)` for every pydantic error, on one line."""
+    return "; ".join(_describe(err, known) for err in e.errors())
+
+
+def _describe(err: dict, known: list[str] | None) -> str:
+    msg = err["msg"].removeprefix("Value error, ")
+    key = ".".join(str(p) for p in err["loc"])
+    if not key:  # a model-level check: its message starts with the key it means
+        key, msg = (part.strip() for part in msg.split(":", 1))
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        msg = "unknown key" + (f"; known: {', '.join(known)}" if known else "")
+    value = err.get("input")
+    bare = err["type"] in ("missing", "extra_forbidden", "unexpected_keyword_argument")
+    got = "" if bare or isinstance(value, dict) or not err["loc"] else f" (got {value!r})"
+    return f"{key}: {msg}{got}"

@@ -1,22 +1,30 @@
-"""YAML deployment configs: loaded, validated with pydantic, turned into EngineConfig.
+"""YAML deployment configs and the command-line flags, both derived from the config classes.
 
-A config names the model, the engine's limits, the DP layout and the server. An unknown
-key, a wrong type or an impossible value stops with ONE ConfigError naming the file and the
-key (e.g. `configs/x.yaml: router.policy: ...`). The CLI calls add_config_args(parser) and
-load_config(args): `--config FILE` first, then any flag given on the command line wins.
+A deployment is every EngineConfig option at the top level (see deepinfer_dp/config.py, where
+each option is declared once) plus the sections below (router, ray, server, metrics). An
+unknown key, a wrong type or an impossible value stops with ONE ConfigError naming the file
+and the key (e.g. `configs/x.yaml: invalid config: router.policy: ...`).
+
+add_config_args(parser) adds `--config FILE` and one flag per option: `--max-num-seqs` for an
+engine option, `--router-policy` for `router.policy` (section flags carry the section's
+prefix, except the server's: `--host`, `--port`); booleans get `--zos` / `--no-zos`.
+load_config(args) reads the file first, then every flag given on the command line wins.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
 
-from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config import EngineConfig, describe_errors, engine_fields
 
 
 class ConfigError(ValueError):
@@ -28,25 +36,32 @@ class _Section(BaseModel):
 
 
 class RouterSection(_Section):
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = "round_robin"
-    collective_timeout_s: float = Field(30.0, gt=0)
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = Field(
+        "round_robin", description="how the router picks a rank for a request")
+    collective_timeout_s: float = Field(30.0, gt=0, description="timeout of the lockstep vote; a rank "
+                                                                "silent this long is declared dead")
 
 
 class RaySection(_Section):
-    address: str = "local"  # "local": a private instance; "auto": the running cluster
-    placement_strategy: Literal["pack", "spread"] = "pack"
+    address: str = Field("local", description="local (a private Ray instance) or auto (the running cluster)")
+    placement_strategy: Literal["pack", "spread"] = Field("pack", description="one bundle per rank: pack "
+                                                                              "or spread them over nodes")
 
 
 class ServerSection(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    host: str = Field("127.0.0.1", description="the HTTP server's address")
+    port: int = Field(8000, ge=0, le=65535, description="the HTTP server's port")
+    api_key: str | None = Field(None, description="require this bearer token on /v1")
+    api_server_count: int = Field(1, ge=1, description="API server processes sharing the port (more than "
+                                                       "one serves through the router process)")
     # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
-    max_request_body_bytes: int = Field(16 * 2**20, ge=1024)
-    max_n: int = Field(128, ge=1)
-    max_prompts: int = Field(256, ge=1)  # prompts in one completions request
-    max_waiting_requests: int = Field(1024, ge=1)  # waiting for their first token, server-wide
-    chat_special_tokens_as_text: bool = True  # "<|im_start|>" typed in chat content stays text
+    max_request_body_bytes: int = Field(16 * 2**20, ge=1024, description="larger request bodies get 413")
+    max_n: int = Field(128, ge=1, description="most choices (n) in one request")
+    max_prompts: int = Field(256, ge=1, description="most prompts in one completions request")
+    max_waiting_requests: int = Field(1024, ge=1, description="requests waiting for their first token "
+                                                              "(server-wide) before new ones get 503")
+    chat_special_tokens_as_text: bool = Field(True, description="special-token strings typed in chat "
+                                                                "content stay text (not control tokens)")
 
     def limits(self):
         from deepinfer_dp.entrypoints.openai.admission import ServerLimits
@@ -56,47 +71,22 @@ class ServerSection(_Section):
 
 
 class MetricsSection(_Section):
-    port: int | None = Field(None, ge=0, le=65535)  # None: /metrics on the server's port only
+    port: int | None = Field(None, ge=0, le=65535, description="a separate Prometheus port (default: "
+                                                               "/metrics on the server's port only)")
 
 
-class DeploymentConfig(_Section):
-    model: str | None = None  # HF directory or .gguf; None: SmolLM2-135M-Instruct
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    dp_size: int = Field(1, ge=1)
-    backend: Literal["ray", "torchrun"] = "ray"
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
-    num_kv_blocks: int | None = Field(None, ge=2)
-    max_model_len: int | None = Field(None, ge=2)
-    zos: bool = True
-    enable_prefix_caching: bool = True
-    packed_weights: bool = True  # CPU fp32: GGUF-quantized / bf16 matrices stay packed
-    seed: int = 0
-    torch_threads: int | None = Field(None, ge=1)
-    router: RouterSection = RouterSection()
-    ray: RaySection = RaySection()
-    server: ServerSection = ServerSection()
-    metrics: MetricsSection = MetricsSection()
+# section -> (its model, the prefix of its flags)
+SECTIONS: dict[str, tuple[type[_Section], str]] = {
+    "router": (RouterSection, "router-"), "ray": (RaySection, "ray-"),
+    "server": (ServerSection, ""), "metrics": (MetricsSection, "metrics-"),
+}
 
-    @field_validator("block_size")
-    @classmethod
-    def _power_of_two(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ValueError("must be a power of two")
-        return v
 
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, v: str) -> str:
-        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
-            raise ValueError("must be auto, cpu or cuda[:N]")
-        return v
+class _DeploymentBase(_Section):
+    backend: Literal["ray", "torchrun"] = Field("ray", description="how DP ranks are started")
 
     @model_validator(mode="after")
-    def _fits_this_machine(self) -> DeploymentConfig:
+    def _fits_this_machine(self) -> _DeploymentBase:
         # A remote Ray cluster has its own devices; only a local deployment is checked here.
         if self.backend == "ray" and self.ray.address != "local":
             return self
@@ -107,16 +97,23 @@ class DeploymentConfig(_Section):
         return self
 
     def engine_config(self) -> EngineConfig:
-        keys = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching", "zos",
-                "packed_weights", "seed", "torch_threads", "dp_size")
-        return EngineConfig(**{k: getattr(self, k) for k in keys})
+        return EngineConfig(**{name: getattr(self, name) for name in engine_fields()})
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine options as LLM(...) keywords, the model and dp_size left out."""
+        return {k: getattr(self, k) for k in engine_fields() if k not in ("model", "dp_size")}
 
     def dp_options(self) -> dict[str, Any]:
-        """Keywords for LLM(dp_options=...) / DPEngine when dp_size > 1 under Ray."""
+        """Keywords for LLM(dp_options=...) when dp_size > 1 under Ray."""
         return {"policy": self.router.policy, "address": self.ray.address,
                 "strategy": self.ray.placement_strategy,
                 "collective_timeout_s": self.router.collective_timeout_s}
+
+
+DeploymentConfig = create_model(
+    "DeploymentConfig", __base__=_DeploymentBase,
+    **{name: (f.annotation, f) for name, f in engine_fields().items()},
+    **{name: (model, model()) for name, (model, _) in SECTIONS.items()})
 
 
 def _local_devices(device: str) -> tuple[int, str]:
@@ -134,20 +131,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> DeploymentCo
     try:
         return DeploymentConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{source}: invalid config: " + "; ".join(map(_describe, e.errors()))) from None
-
-
-def _describe(err: dict) -> str:
-    """`key: what is wrong (got value)` for one pydantic error."""
-    msg = err["msg"].removeprefix("Value error, ")
-    key = ".".join(str(p) for p in err["loc"])
-    if not key:  # a model-level check: its message starts with the key it means
-        key, msg = (part.strip() for part in msg.split(":", 1))
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key"
-    value = err.get("input")
-    got = "" if err["type"] == "missing" or isinstance(value, dict) or not err["loc"] else f" (got {value!r})"
-    return f"{key}: {msg}{got}"
+        raise ConfigError(f"{source}: invalid config: " + describe_errors(e)) from None
 
 
 def load_config_file(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
@@ -176,67 +160,57 @@ def _apply(data: Any, overrides: dict[str, Any]) -> Any:
     return data
 
 
-# ---- the CLI hook ---------------------------------------------------------------------------
-# flag dest -> dotted config key
-_FLAGS: dict[str, str] = {
-    "model": "model", "dtype": "dtype", "device": "device", "dp_size": "dp_size", "backend": "backend",
-    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-    "block_size": "block_size", "kv_cache_memory_gb": "kv_cache_memory_gb", "num_kv_blocks": "num_kv_blocks",
-    "max_model_len": "max_model_len", "zos": "zos", "enable_prefix_caching": "enable_prefix_caching",
-    "torch_threads": "torch_threads", "packed_weights": "packed_weights", "router_policy": "router.policy",
-    "ray_address": "ray.address",
-    "placement_strategy": "ray.placement_strategy", "host": "server.host", "port": "server.port",
-    "api_key": "server.api_key", "metrics_port": "metrics.port",
-    "max_request_body_bytes": "server.max_request_body_bytes", "max_n": "server.max_n",
-    "max_prompts": "server.max_prompts", "max_waiting_requests": "server.max_waiting_requests",
-    "chat_special_tokens_as_text": "server.chat_special_tokens_as_text",
-}
+# ---- the command line -----------------------------------------------------------------------
+def _options() -> list[tuple[str, str, FieldInfo]]:
+    """(flag, dotted config key, field) of every deployment option."""
+    top = {**engine_fields(), "backend": _DeploymentBase.model_fields["backend"]}
+    out = [("--" + name.replace("_", "-"), name, f) for name, f in top.items()]
+    for section, (model, prefix) in SECTIONS.items():
+        out += [(f"--{prefix}{name.replace('_', '-')}", f"{section}.{name}", f)
+                for name, f in model.model_fields.items()]
+    return out
+
+
+def _dest(key: str) -> str:
+    return "config__" + key.replace(".", "__")
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """--config FILE plus one flag per key; a flag given on the command line overrides the file.
-    Every flag defaults to None (= not given), so the file's value or the default stays."""
+    """--config FILE plus one flag per option. Every flag defaults to None (= not given), so
+    the file's value or the option's default stays."""
     g = parser.add_argument_group("deployment (a --config file, overridden by these flags)")
     g.add_argument("--config", default=None, help="YAML deployment config (see configs/)")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=None, help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dp-size", type=int, default=None, help="data-parallel ranks")
-    g.add_argument("--backend", default=None, help="ray or torchrun")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (a power of two)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="memory for the paged KV cache")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides the memory size)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    g.add_argument("--torch-threads", type=int, default=None, help="torch threads per rank")
-    g.add_argument("--no-zos", dest="zos", action="store_const", const=False, default=None,
-                   help="disable zero-overhead scheduling")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
-                   default=None, help="disable prefix caching")
-    g.add_argument("--no-packed-weights", dest="packed_weights", action="store_const", const=False,
-                   default=None, help="CPU: widen GGUF-quantized and bf16 weights to fp32 at load")
-    g.add_argument("--router-policy", default=None, help="round_robin, least_loaded or prefix_affinity")
-    g.add_argument("--ray-address", default=None, help="local (a private Ray) or auto (a running cluster)")
-    g.add_argument("--placement-strategy", default=None, help="pack or spread (one bundle per rank)")
-    g.add_argument("--host", default=None, help="server host (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=None, help="server port (default 8000)")
-    g.add_argument("--api-key", default=None, help="require this bearer token on /v1")
-    g.add_argument("--metrics-port", type=int, default=None, help="separate Prometheus port")
-    g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (16 MiB)")
-    g.add_argument("--max-n", type=int, default=None, help="most choices (n) in one request (128)")
-    g.add_argument("--max-prompts", type=int, default=None, help="most prompts in one completions request (256)")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests waiting for their first token before new ones get 503 (1024)")
-    g.add_argument("--chat-special-tokens-as-control", dest="chat_special_tokens_as_text", action="store_const",
-                   const=False, default=None,
-                   help="parse special-token strings in chat content as control tokens (default: plain text)")
+    for flag, key, f in _options():
+        kind = _scalar_type(f.annotation)
+        default = "" if f.default is None else f" (default: {f.default})"
+        if kind is bool:
+            g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{f.description}{default}")
+        else:  # values are checked by the config's validation, the same as a file's
+            choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
+            metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
+            g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
+                           help=f"{f.description}{default}")
 
 
-def load_config(args: argparse.Namespace) -> DeploymentConfig:
-    """The deployment of a parsed command line: --config (if any) with the given flags on top."""
-    overrides = {key: getattr(args, dest) for dest, key in _FLAGS.items()
-                 if getattr(args, dest, None) is not None}
+def _scalar_type(annotation: Any) -> type:
+    """int for `int | None`, str for a Literal of strings, and so on."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is Literal:
+        return type(typing.get_args(annotation)[0])
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def load_config(args: argparse.Namespace, model: str | None = None) -> DeploymentConfig:
+    """The deployment of a parsed command line: --config (if any) with the given flags on top.
+    `model` (a positional MODEL argument) counts when --model is not given."""
+    overrides = {key: getattr(args, _dest(key)) for _, key, _ in _options()
+                 if getattr(args, _dest(key), None) is not None}
+    if model is not None:
+        overrides.setdefault("model", model)
     if getattr(args, "config", None):
         return load_config_file(args.config, overrides)
     return parse_config(_apply({}, overrides), "command line")

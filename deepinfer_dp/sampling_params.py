@@ -16,7 +16,7 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
-# What torch.Generator.manual_seed accepts (and msgspec can carry): [-2**63, 2**64).
+# What torch.Generator.manual_seed accepts (int64 for OpenAI's seed, and uint64), and msgspec can carry.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -137,6 +137,15 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         # Deep copy: the stop lists must not be shared between requests.
         return copy.deepcopy(self)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of n (n=1): seeded samples get seed + index, wrapped
+        to stay a 64-bit seed, so they are reproducible yet differ from each other."""
+        child = self.clone()
+        child.n = 1
+        if self.seed is not None:
+            child.seed = (self.seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        return child
 
 
 def _fail(name: str, rule: str, value: object) -> None:

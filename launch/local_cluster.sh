@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Offline DP on this machine through Ray, from one driver: LLM(dp_size=N) starts N rank
-# actors in a placement group (a private Ray instance, address=local) behind the router.
+# actors in a placement group (a private Ray instance, address=local) behind the router
+# process (a Ray actor of its own).
 #   launch/local_cluster.sh [DP_SIZE] [MODEL]      (MODEL: HF dir or .gguf; default SmolLM2)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,9 +12,6 @@ an empty shard runs placeholder steps and all ranks report the same generate_ste
 import argparse
 import json
 
-import torch.distributed as dist
-
-from deepinfer_dp.distributed.groups import all_gather_json
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -43,12 +40,14 @@ def main() -> None:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
               dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if llm.dp is None:
+        raise SystemExit("run this under torchrun with --nproc-per-node 2 or more (see the docstring)")
+    rank, world = llm.dp.dp_rank, llm.dp.dp_size
     mine = my_shard(len(prompts), rank, world, args.shard_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs = llm.generate([prompts[i] for i in mine], params, use_tqdm=rank == 0)
     ids = [[t for o in outs for t in o.token_ids] for outs in outputs]
-    gathered = all_gather_json(llm._dp.groups, [[i, t] for i, t in zip(mine, ids, strict=True)])
+    gathered = llm.dp.all_gather([[i, t] for i, t in zip(mine, ids, strict=True)])
     stats = llm.rank_stats()
     if rank == 0:
         results = dict(pair for shard in gathered for pair in shard)
@@ -62,8 +61,7 @@ def main() -> None:
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"token_ids": ordered, "rank_stats": stats}, f, indent=1)
-    llm.shutdown()
-    dist.destroy_process_group()
+    llm.shutdown()  # destroys the DP group too
 
 
 def my_shard(num: int, rank: int, world: int, sizes: str | None) -> list[int]:

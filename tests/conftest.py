@@ -25,3 +25,17 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.getbasetemp()
     kinds = ("llama-gqa", "llama-tied", "qwen2-bias", "qwen3-qknorm")
     return {k: build_tiny_model(k, root / f"tiny-{k}") for k in kinds}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One private Ray instance for every DP test of the session (starting Ray is the slow
+    part): deployments started meanwhile join it instead of starting their own."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    from deepinfer_dp.cluster.ray_launcher import ensure_ray
+
+    ensure_ray("local", os.cpu_count() or 1)
+    yield
+    ray.shutdown()

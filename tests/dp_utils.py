@@ -4,18 +4,65 @@ from __future__ import annotations
 
 import queue
 
-from deepinfer_dp.engine.client import RankFailed
+from deepinfer_dp.sampling_params import SamplingParams
+
+# Eight prompts of different lengths; max_num_seqs=2 makes a busy rank take many steps.
+PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.",
+           "What is 2 + 2?", "List three colors.", "Once upon a time",
+           "Explain data parallelism in one sentence, please, and be brief.", "Hi"]
+MAX_TOKENS = 8
+ENGINE = dict(num_kv_blocks=64, max_num_seqs=2, torch_threads=1)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-def collect_outcomes(got: queue.Queue, num_requests: int, timeout: float) -> tuple[list[str], list[str]]:
-    """Reads router deltas until every request either failed (RankFailed) or finished;
-    returns (failure messages, finished request ids)."""
-    failed: list[str] = []
-    finished: list[str] = []
-    while len(failed) + len(finished) < num_requests:
-        item = got.get(timeout=timeout)
-        if isinstance(item, RankFailed):
-            failed.append(str(item))
-        elif item.finished:
-            finished.append(item.request_id)
-    return failed, finished
+def token_ids(results) -> list[list[int]]:
+    return [[t for o in outs for t in o.token_ids] for outs in results]
+
+
+def submit_all(router, prefix: str, num: int, params: SamplingParams, prompt: list[int]) -> dict[str, queue.Queue]:
+    """Sends `num` requests through a RouterClient; request id -> the queue of its deltas."""
+    got = {f"{prefix}-{i}": queue.Queue() for i in range(num)}
+    for rid, q in got.items():
+        router.submit(rid, prompt, params, q.put)
+    return got
+
+
+def first_ranks(got: dict[str, queue.Queue], timeout: float) -> dict[str, int]:
+    """The rank serving each request, from its first delta (so every one has started)."""
+    ranks = {}
+    for rid, q in got.items():
+        item = q.get(timeout=timeout)
+        assert not isinstance(item, Exception), item
+        ranks[rid] = item.dp_rank
+    return ranks
+
+
+def outcome(q: queue.Queue, timeout: float):
+    """The finished delta of a request, or the exception that ended it."""
+    while True:
+        item = q.get(timeout=timeout)
+        if isinstance(item, Exception) or item.finished:
+            return item
+
+
+def assert_actors_exited_cleanly(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Every Ray actor process in `pids` exited on purpose with status 0 (Ray's own record in
+    the worker's log), and nothing in its stderr says it aborted."""
+    import glob
+    import os
+    import time
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for pid in pids:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = "".join(open(f).read() for f in glob.glob(f"{logs}/python-core-worker-*_{pid}.log"))
+            if "exit_type=" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "exit_type=INTENDED_USER_EXIT" in text and "exit code 0" in text, f"actor {pid}: {text[-2000:]}"
+        err = "".join(open(f).read() for f in glob.glob(f"{logs}/worker-*-{pid}.err"))
+        for sign in ("terminate called", "Aborted", "Fatal Python error", "Traceback"):
+            assert sign not in err, f"actor {pid}: {err[-2000:]}"

@@ -1,4 +1,4 @@
-"""A fake "model" for scheduler tests, in the spirit of the seed book's labs.
+"""A fake "model" for scheduler tests: no weights, a deterministic next token.
 
 It keeps its own paged "KV cache" of token ids, written through the scheduler's slot
 mapping and read back through its block tables, so a wrong slot, a block freed while in

@@ -86,8 +86,36 @@ def test_flags_override_the_file():
 
 
 def test_flags_without_a_file_and_bad_flag_value():
-    cfg = _parse(["--max-num-seqs", "4", "--no-prefix-caching"])
+    cfg = _parse(["--max-num-seqs", "4", "--no-enable-prefix-caching"])
     assert cfg.max_num_seqs == 4 and cfg.enable_prefix_caching is False and cfg.dp_size == 1
     with pytest.raises(ConfigError, match=r"^command line: invalid config: router.policy: "):
         _parse(["--router-policy", "fastest"])
 
+
+
+def test_every_engine_option_is_a_yaml_key_and_a_flag():
+    from deepinfer_dp.config import EngineConfig, engine_fields
+
+    names = set(engine_fields())
+    assert {"cpu_linear_kernel", "seed", "zos", "max_num_seqs"} <= names
+    assert "dp_rank" not in names  # set by the launchers only
+    from deepinfer_dp.config_file import DeploymentConfig
+
+    # the YAML schema holds every option, with the engine's defaults
+    defaults = DeploymentConfig().engine_config()
+    assert defaults == EngineConfig()
+    cfg = _parse(["--seed", "7", "--no-cpu-linear-kernel", "--torch-threads", "2", "--api-server-count", "2"])
+    engine = cfg.engine_config()
+    assert (engine.seed, engine.cpu_linear_kernel, engine.torch_threads) == (7, False, 2)
+    assert cfg.server.api_server_count == 2
+
+
+def test_engine_options_are_checked_in_python_too():
+    from deepinfer_dp.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^invalid engine option\(s\): block_size: must be a power of two"):
+        EngineConfig.from_kwargs(block_size=12)
+    with pytest.raises(ValueError, match=r"bogus: unknown key; known: model, dtype"):
+        EngineConfig.from_kwargs(bogus=1)
+    with pytest.raises(ValueError, match=r"dp_rank: must be in \[0, dp_size=2\)"):
+        EngineConfig.from_kwargs(dp_size=2, dp_rank=2)

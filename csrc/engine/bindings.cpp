@@ -104,7 +104,7 @@ void bind_sequence(py::module_ &m) {
   py::enum_<SequenceStatus>(m, "SequenceStatus")
       .value("WAITING", SequenceStatus::WAITING)
       .value("RUNNING", SequenceStatus::RUNNING)
-      .value("SWAPPED", SequenceStatus::SWAPPED)
+      .value("PREEMPTED", SequenceStatus::PREEMPTED)
       .value("FINISHED_STOPPED", SequenceStatus::FINISHED_STOPPED)
       .value("FINISHED_LENGTH", SequenceStatus::FINISHED_LENGTH)
       .value("FINISHED_ABORTED", SequenceStatus::FINISHED_ABORTED);

@@ -189,7 +189,7 @@ void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
   ++seq->epoch;
   ++seq->num_preemptions;
   ++stats_.num_preemptions;
-  seq->status = SequenceStatus::SWAPPED;
+  seq->status = SequenceStatus::PREEMPTED;
   waiting_.push_front(seq);
 }
 

@@ -11,7 +11,7 @@ namespace deepinfer {
 enum class SequenceStatus {
   WAITING,
   RUNNING,
-  SWAPPED,  // preempted by recompute: back in `waiting`, generated tokens kept
+  PREEMPTED,  // preempted by recompute: back in `waiting`, generated tokens kept
   FINISHED_STOPPED,
   FINISHED_LENGTH,
   FINISHED_ABORTED,
@@ -69,7 +69,7 @@ class Sequence {
   double arrival_time = 0.0;
 
   // Boundaries over positions: computed = written to the KV cache or in flight in a
-  // scheduled step; processed = confirmed by post-processing (the book's boundary).
+  // scheduled step; processed = confirmed by post-processing (their tokens are final).
   int num_computed = 0;
   int num_processed = 0;
   int num_pending = 0;          // sampled tokens in flight, not yet appended

@@ -1,1 +1,2 @@
-"""DP ranks behind one router: rank processes, Ray launcher, torchrun entry, offline driver."""
+"""DP ranks behind the router process: the router (sharding, waves, membership, stats), its
+client, the rank process, the Ray launcher, the torchrun entry and the offline DP driver."""

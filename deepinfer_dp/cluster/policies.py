@@ -1,5 +1,5 @@
-"""How the router picks a rank for a request. A policy sees the request's prompt and the
-ranks that are up with their in-flight counts, and returns one of those ranks."""
+"""Sharding: how the router picks a rank for a request. A policy sees the request's prompt
+and the ranks that are up with their in-flight counts, and returns one of those ranks."""
 
 from __future__ import annotations
 
@@ -43,16 +43,6 @@ class PrefixAffinity:
         if load[rank] > min(load.values()) + self.slack:
             return self._fallback.choose(prompt_token_ids, load)
         return rank
-
-
-class FixedRank:
-    """Every request to one rank (tests: one rank busy, the others running placeholder steps)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def choose(self, prompt_token_ids: list[int], load: dict[int, int]) -> int:
-        return self.rank if self.rank in load else min(load)
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_affinity": PrefixAffinity}

@@ -1,8 +1,15 @@
-"""Messages between the router and the DP ranks: msgspec structs in msgpack, tagged by type.
+"""Messages between the router process, the DP ranks and the router's clients (API servers,
+the offline driver): msgspec structs in msgpack, tagged by type.
 
-No pickle on the wire: a peer can only send these shapes. One PULL socket per rank (router
--> rank) and one PULL socket on the router (ranks -> router); both sides bind 127.0.0.1
-unless a multi-node launcher gives another host.
+No pickle on the wire: a peer can only send these shapes. Every process receives on one PULL
+socket it binds, and sends with a PUSH socket to each peer's PULL: a rank's from the router,
+the router's from the ranks and the clients, a client's from the router. Everything binds
+127.0.0.1 unless a multi-node launcher gives another host.
+
+    client -> router   Hello, AddRequest, Abort, StatsQuery, HealthQuery, Goodbye
+    router -> rank     AddRequest, Abort, Wake, StatsQuery, Reform, Shutdown
+    rank -> router     Deltas, Rejected, StartWave, WaveDone, Stats, GroupBroken
+    router -> client   Deltas, RequestError, StatsReply, HealthReply
 """
 
 from __future__ import annotations
@@ -16,15 +23,17 @@ from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.sampling_params import SamplingParams
 
 
-# ---- router -> rank -------------------------------------------------------------------
+# ---- to a rank (and AddRequest, Abort, StatsQuery from a client to the router) ---------
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields, see params_to_wire
+    client_id: str = ""  # the client that sent it (the router's bookkeeping; ranks ignore it)
 
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+    client_id: str = ""
 
 
 class Wake(msgspec.Struct, tag=True):
@@ -35,6 +44,7 @@ class Wake(msgspec.Struct, tag=True):
 
 class StatsQuery(msgspec.Struct, tag=True):
     query_id: int
+    client_id: str = ""
 
 
 class Reform(msgspec.Struct, tag=True):
@@ -53,7 +63,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 # ---- rank -> router -------------------------------------------------------------------
 class Deltas(msgspec.Struct, tag=True):
-    """Everything one step produced on one rank (batched: one message per step)."""
+    """Everything one step produced on one rank (batched: one message per step). The router
+    passes each client its own requests' deltas in the same shape."""
 
     dp_rank: int
     deltas: list[TokenDelta]
@@ -91,12 +102,55 @@ class GroupBroken(msgspec.Struct, tag=True):
     message: str
 
 
+# ---- client <-> router ----------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True):
+    """A client's first message: where the router sends its replies."""
+
+    client_id: str
+    address: str
+
+
+class HealthQuery(msgspec.Struct, tag=True):
+    """Also the client's heartbeat: a client silent for long is dropped, its requests aborted."""
+
+    client_id: str
+    query_id: int
+
+
+class Goodbye(msgspec.Struct, tag=True):
+    client_id: str
+
+
+class RequestError(msgspec.Struct, tag=True):
+    """The request ended without a result: kind "rejected" (bad input, 400), "no_capacity"
+    (no rank up, 503) or "rank_failed" (its rank died, 503)."""
+
+    request_id: str
+    kind: str
+    message: str
+
+
+class StatsReply(msgspec.Struct, tag=True):
+    query_id: int
+    stats: list[dict[str, Any]]  # one per rank, in rank order
+
+
+class HealthReply(msgspec.Struct, tag=True):
+    query_id: int
+    ranks: list[dict[str, Any]]  # {"dp_rank", "up", "inflight", "reason"} per rank
+    group_failures: int = 0  # failed lockstep votes reported so far (each led to a re-form)
+
+
 ToRank = AddRequest | Abort | Wake | StatsQuery | Reform | Shutdown
-ToRouter = Deltas | Rejected | StartWave | WaveDone | Stats | GroupBroken
+FromRank = Deltas | Rejected | StartWave | WaveDone | Stats | GroupBroken
+FromClient = Hello | AddRequest | Abort | StatsQuery | HealthQuery | Goodbye
+ToClient = Deltas | RequestError | StatsReply | HealthReply
 
 encoder = msgspec.msgpack.Encoder()
 rank_decoder = msgspec.msgpack.Decoder(ToRank)
-router_decoder = msgspec.msgpack.Decoder(ToRouter)
+router_decoder = msgspec.msgpack.Decoder(FromRank)
+frontend_decoder = msgspec.msgpack.Decoder(FromClient)
+client_decoder = msgspec.msgpack.Decoder(ToClient)
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -105,13 +159,3 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**fields)  # validates again on the rank
-
-
-def delta_of(out, dp_rank: int) -> TokenDelta:
-    """One pooled RequestOutput of a step as a TokenDelta (copies: the pool is reused)."""
-    logprob = out.logprob
-    return TokenDelta(request_id=out.request_id, token_ids=list(out.token_ids), finished=out.finished,
-                      finish_reason=out.finish_reason if out.finished else None,
-                      logprobs=None if logprob is None else [logprob], prompt_len=out.prompt_len,
-                      output_len=out.output_len, dp_rank=dp_rank, top_logprobs=out.top_logprobs,
-                      prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs)

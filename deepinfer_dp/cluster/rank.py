@@ -6,19 +6,26 @@ step, votes, steps, and sends the step's TokenDeltas (one message per step). All
 a wave together, when the vote says no rank has work; then each reports WaveDone and counts
 the wave. A rank woken by a request (not a Wake) sends StartWave so the router wakes every
 rank: that closes the race of a request landing after a rank's last drain of a wave while
-the others already consumed their wakes (DESIGN.md "Online lockstep").
+the others already consumed their wakes (docs/architecture.md, "Waves").
+
+Inside a wave the rank runs the step loop (engine/step_loop.py), taking new messages between
+steps. A request the engine refuses is answered with Rejected, and any other failure while
+admitting one request fails that request only; a failure of the loop itself ends the rank's
+thread, which the launcher's health check sees (the rank is then killed and marked down).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import os
 
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.distributed import Lockstep, LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
+from deepinfer_dp.engine.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +33,10 @@ logger = logging.getLogger(__name__)
 class RankServer:
     def __init__(self, engine: LLMEngine, dp_rank: int, router_addr: str, host: str = "127.0.0.1") -> None:
         self.engine = engine
+        self.loop = StepLoop(engine)
         self.dp_rank = dp_rank
         self.wave = 0
         self.waves_run = 0
-        self.step_time_s = 0.0  # wall time in step()/flush, the vote excluded
-        self.placeholder_step_time_s = 0.0
         self._ctx = zmq.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
         self.address = f"tcp://{host}:{self._inbox.bind_to_random_port(f'tcp://{host}')}"
@@ -41,6 +47,16 @@ class RankServer:
         self._reform: p.Reform | None = None
 
     # ---- the outer loop ------------------------------------------------------------------
+    def serve_or_exit(self) -> None:
+        """serve(), and if the rank's loop fails, end the whole process: the router's health
+        check then sees the rank gone instead of a process that is up but serves nothing."""
+        try:
+            self.serve()
+        except BaseException:
+            logger.exception("DP rank %d: the rank's loop failed; exiting", self.dp_rank)
+            logging.shutdown()
+            os._exit(1)
+
     def serve(self) -> None:
         """Until Shutdown: block for a message; enter a wave when it asks for one."""
         try:
@@ -51,7 +67,11 @@ class RankServer:
                 if self._reform is not None and self._apply_reform() == "request":
                     self._run_wave(announce=True)  # a Reform that arrived mid-wave
         finally:
+            lockstep = self.engine.lockstep
+            if lockstep is not None:
+                lockstep.close()
             self.engine.shutdown()
+            destroy_dp_groups()  # now, not at interpreter teardown
             self._inbox.close(linger=0)
             self._outbox.close(linger=1000)
             self._ctx.term()
@@ -71,21 +91,10 @@ class RankServer:
         self.waves_run += 1
 
     def _step_until_all_done(self) -> None:
-        engine = self.engine
-        while True:
-            self._drain()
-            unfinished = engine.has_unfinished_requests()
-            start, placeholders = time.perf_counter(), engine.placeholder_steps
-            # Leaving the wave: flush the step ZOS kept in flight, once.
-            outputs = engine.step() if unfinished else engine.flush_inflight_reqs()
-            elapsed = time.perf_counter() - start
-            self.step_time_s += elapsed
-            if engine.placeholder_steps != placeholders:
-                self.placeholder_step_time_s += elapsed
-            if outputs:
-                self._send(p.Deltas(self.dp_rank, [p.delta_of(o, self.dp_rank) for o in outputs]))
-            if not unfinished:
-                return
+        self.loop.run(self._send_outputs, take_work=self._drain)
+
+    def _send_outputs(self, outputs: list) -> None:
+        self._send(p.Deltas(self.dp_rank, self.engine.to_deltas(outputs)))
 
     def _drain(self) -> None:
         while True:
@@ -118,14 +127,20 @@ class RankServer:
         try:
             self.engine.add_request(None, p.params_from_wire(msg.params), msg.prompt_token_ids,
                                     request_id=msg.request_id)
-        except ValueError as e:
+        except ValueError as e:  # the request's own fault
             self._send(p.Rejected(self.dp_rank, msg.request_id, f"request {msg.request_id}: {e}"))
+            return False
+        except Exception as e:  # not the request's fault, but it must not end the rank either
+            logger.exception("DP rank %d: admitting request %s failed", self.dp_rank, msg.request_id)
+            delta = TokenDelta(msg.request_id, [], True, "error", dp_rank=self.dp_rank,
+                               error=f"{type(e).__name__}: {e}")
+            self._send(p.Deltas(self.dp_rank, [delta]))
             return False
         return True
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in self.engine.abort_request(request_ids):
-            self._send(p.Deltas(self.dp_rank, [p.TokenDelta(rid, [], True, "abort", dp_rank=self.dp_rank)]))
+            self._send(p.Deltas(self.dp_rank, [TokenDelta(rid, [], True, "abort", dp_rank=self.dp_rank)]))
 
     # ---- failure: wait for the router to re-form the group -------------------------------
     def _await_reform(self) -> None:
@@ -147,13 +162,10 @@ class RankServer:
         self.wave = r.wave
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
                        r.world_size)
-        return "request" if self.engine.scheduler.has_unfinished_seqs() else None
+        return "request" if self.engine.has_local_unfinished_requests() else None
 
     def stats(self) -> dict:
-        lockstep = self.engine.lockstep.stats() if self.engine.lockstep is not None else {}
-        return {"dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run,
-                "step_time_s": self.step_time_s, "placeholder_step_time_s": self.placeholder_step_time_s,
-                **self.engine.stats(), **lockstep}
+        return {**self.loop.stats(), "dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run}
 
     def _send(self, msg) -> None:
         self._outbox.send(p.encoder.encode(msg))

@@ -1,4 +1,4 @@
-"""Data-parallel process groups and the lockstep vote (see DESIGN.md "The step loop", rule 5)."""
+"""Data-parallel process groups and the lockstep vote (docs/architecture.md, "Lockstep")."""
 
 from deepinfer_dp.distributed.groups import (
     DPGroups,

@@ -23,7 +23,7 @@ class LockstepError(RuntimeError):
 class Lockstep:
     def __init__(self, groups: DPGroups, use_cpu_group: bool = True) -> None:
         """use_cpu_group: vote over Gloo on a host tensor (ZOS on: no device sync); else
-        over the device group on a device tensor, as the seed does without ZOS."""
+        over the device group on a device tensor, which waits for the device (ZOS off)."""
         self.groups = groups
         self.use_cpu_group = use_cpu_group
         self._group = groups.cpu_group if use_cpu_group else groups.device_group
@@ -37,14 +37,6 @@ class Lockstep:
         self.allreduce_wait_s = 0.0  # of which: until the last rank arrived (load imbalance)
         self.broken: LockstepError | None = None
         self._pending: tuple | None = None  # (work, buffer, arrival) of a vote not waited for yet
-
-    @property
-    def rank(self) -> int:
-        return self.groups.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.groups.world_size
 
     def vote(self, local: bool) -> bool:
         """True if this rank or any peer has unfinished work.
@@ -102,6 +94,16 @@ class Lockstep:
             f"group from {g.origin}) failed after {waited_s:.1f}s, collective timeout {g.timeout_s:.0f}s: "
             f"peer rank(s) {peers} died or stopped calling step(). The group cannot be reused; "
             f"re-form it on a fresh store. Cause: {str(cause).splitlines()[0] if str(cause) else cause!r}")
+
+    def close(self) -> None:
+        """Waits for a vote still in flight (only a loop left by an exception has one), so
+        no collective outlives the group; the owner destroys the group after this."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[0].wait()
+            except (RuntimeError, dist.DistError):
+                pass  # the group is broken anyway; it is being torn down
 
     def stats(self) -> dict:
         return {"lockstep_votes": self.num_votes, "allreduce_time_s": self.allreduce_time_s,

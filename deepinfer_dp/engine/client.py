@@ -1,17 +1,20 @@
 """The narrow interface between a front end (HTTP server, offline driver) and whatever
 serves requests behind it: one engine in-process, or the router over DP ranks.
 
-A front end tokenizes, calls generate() and iterates the deltas; closing the iterator
-early (a client went away) aborts the request where it runs and frees its KV blocks.
+A front end tokenizes, validates with the client's InputProcessor, calls generate() and
+iterates the deltas; closing the iterator early (a client went away) aborts the request
+where it runs and frees its KV blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import msgspec
 
+from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
 
 
@@ -21,7 +24,7 @@ class TokenDelta(msgspec.Struct, frozen=True):
     request_id: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     logprobs: list[float] | None = None  # of each token in token_ids, when asked
     prompt_len: int = 0
     output_len: int = 0
@@ -30,6 +33,17 @@ class TokenDelta(msgspec.Struct, frozen=True):
     # On a request's first delta, when it asked for prompt logprobs: per prompt token (None first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # with finish_reason "error": what failed (the engine kept running)
+
+    @classmethod
+    def of(cls, out: Any, dp_rank: int, want_logprobs: bool) -> TokenDelta:
+        """One step output (a pooled RequestOutput, or an owned one) as a delta; the only
+        conversion, so a new output field is added here once. Copies: the pool is reused."""
+        logprob = out.logprob if want_logprobs else None
+        return cls(out.request_id, list(out.token_ids), out.finished, out.finish_reason if out.finished else None,
+                   None if logprob is None else [logprob] * len(out.token_ids), out.prompt_len, out.output_len,
+                   dp_rank, out.top_logprobs, out.prompt_logprobs, out.prompt_top_logprobs,
+                   getattr(out, "error", None))
 
 
 class EngineError(Exception):
@@ -56,11 +70,17 @@ class RankFailed(EngineError):
     status_code = 503
 
 
+class RequestFailed(EngineError):
+    """Processing this one request failed inside the engine; the engine keeps serving."""
+
+    status_code = 500
+
+
 class EngineClient(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
-    vocab_size: int
+    input_processor: InputProcessor
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
@@ -70,3 +90,23 @@ class EngineClient(Protocol):
     def health(self) -> list[dict]: ...  # one entry per DP rank: {"dp_rank", "up", ...}
 
     def rank_stats(self) -> list[dict]: ...  # one dict per rank, see LLMEngine.stats()
+
+
+async def deltas_until_finished(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[TokenDelta]:
+    """One request's deltas from `queue` (fed from another thread), until the finished one.
+    An exception in the queue, or a delta that finished with an error, ends the request with
+    that error; leaving before the end (the caller went away) calls `abandon` to abort it."""
+    finished = False
+    try:
+        while not finished:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                finished = True
+                raise item
+            finished = item.finished
+            if item.error is not None:
+                raise RequestFailed(f"request {item.request_id} failed: {item.error}")
+            yield item
+    finally:
+        if not finished:
+            abandon()

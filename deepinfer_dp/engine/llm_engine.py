@@ -1,13 +1,19 @@
-"""One rank's engine: admits requests into the C++ scheduler and runs the step loop.
+"""One rank's engine: admits requests into the C++ scheduler and takes steps.
 
 step() = schedule (C++) -> Worker.execute_model_step (the four phases) -> the outputs
 ready now. Outputs are pooled: valid until the next step() or flush_inflight_reqs();
-keep one with clone().
+keep one with clone(). The loop that calls step() is engine/step_loop.py.
+
+The worker calls back into the engine twice per step (the StepHost protocol of
+worker/worker.py): sampling_batch() before sampling and post_process() after it. A failure
+while post-processing one request finishes that request with finish_reason "error" and
+leaves the others and the engine running.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,7 +23,11 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.distributed.lockstep import Lockstep
 from deepinfer_dp.engine import prompt_logprobs
+from deepinfer_dp.engine.client import TokenDelta
+from deepinfer_dp.engine.input_processor import InputProcessor, InvalidRequest
+from deepinfer_dp.engine.outputs import OwnedOutput
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import load_model, max_context_len
@@ -25,6 +35,7 @@ from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, num_kv_blocks_for
 from deepinfer_dp.worker.worker import StepState, Worker
 
+logger = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
 
 
@@ -39,9 +50,7 @@ class RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, lockstep=None) -> None:
-        """`lockstep` (a DP vote, see deepinfer_dp.distributed) makes has_unfinished_requests
-        answer for every rank of the data-parallel group; None serves one rank alone."""
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         threads = config.resolved_threads()
         if threads:
@@ -55,14 +64,16 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
+        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
         num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len)
         check_kv_capacity(config, loaded, config.torch_dtype(), num_blocks, self.max_model_len)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
-        self.worker = Worker(ModelRunner(config, loaded, num_blocks), self, config.zos)
-        self.lockstep = lockstep
+        self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
+        # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.
+        self.lockstep: Lockstep | None = None
         self.requests: dict[str, RequestState] = {}
         self._finished: list[str] = []
         self._num_special = 0  # live requests needing more than plain greedy sampling
@@ -70,40 +81,37 @@ class LLMEngine:
         self._counter = itertools.count()
         self.generate_step = 0
         self.placeholder_steps = 0
+        self.requests_failed = 0
 
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Tokenizes if needed, gives the next integer id, validates and enqueues. No model
-        work. Bad input raises ValueError naming the request; nothing else is touched."""
-        params = (sampling_params or SamplingParams()).clone()
-        if params.n != 1:
-            raise ValueError("LLMEngine.add_request takes n=1; LLM.generate and the server expand n")
+        """Tokenizes if needed, gives the next integer id, validates (InputProcessor) and
+        enqueues. No model work. Bad input raises InvalidRequest (a ValueError) naming the
+        problem, and nothing is queued: everything that can fail runs before the C++ enqueue."""
         if prompt_token_ids is None:
             if prompt is None:
-                raise ValueError("add_request needs a prompt or prompt_token_ids")
+                raise InvalidRequest("add_request needs a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = self.tokenizer(prompt).input_ids
+        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
-        ids = [int(t) for t in prompt_token_ids]
-        bad_bias = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if request_id in self.requests:
+            raise InvalidRequest(f"request {request_id} is already running")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        stop_ids = list(params.stop_token_ids or [])
+        stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += self.eos_token_ids[1:]  # further EOS ids of the generation config
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
-        _check_fits(request_id, len(ids), max_tokens, self.scheduler.max_seq_len)
-        limits = _C.SequenceLimits(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=stop_ids,
-                                   eos_token_id=-1 if eos is None else eos, ignore_eos=params.ignore_eos,
-                                   read_prefix_cache=params.prompt_logprobs is None)
-        self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs[request_id] = prompt_logprobs.PromptLogprobs.for_prompt(ids, params.prompt_logprobs)
+        _check_fits(request_id, len(ids), params.max_tokens, self.scheduler.max_seq_len)
+        limits = _C.SequenceLimits(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                                   stop_token_ids=stop_ids, eos_token_id=-1 if eos is None else eos,
+                                   ignore_eos=params.ignore_eos, read_prefix_cache=params.prompt_logprobs is None)
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)
         state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
+        self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))  # last: nothing to undo
         self.requests[request_id] = state
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = prompt_logprobs.PromptLogprobs.for_prompt(ids, params.prompt_logprobs)
         self._num_special += _is_special(state)
         return request_id
 
@@ -115,29 +123,42 @@ class LLMEngine:
             self._forget(str(rid))
         return found
 
-    # ---- the step loop -----------------------------------------------------------------
+    # ---- what the step loop calls -------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         """Local queues non-empty, combined with MAX over the DP group when there is one, so
         every rank keeps stepping until the last rank is done."""
-        local = self.scheduler.has_unfinished_seqs()
-        return local if self.lockstep is None else self.lockstep.vote(local)
+        return self.vote(self.has_local_unfinished_requests())
 
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + self.scheduler.num_running
+    def has_local_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def vote(self, local: bool) -> bool:
+        """The DP vote: True if this rank (`local`) or any peer has work; one per step."""
+        return local if self.lockstep is None else self.lockstep.vote(local)
 
     def step(self) -> list:
         self._drop_finished_states()
         sched_out = self.scheduler.schedule()  # also releases the previous step's outputs
         if sched_out.is_empty():
             self.placeholder_steps += 1
-        outputs = self.worker.execute_model_step(sched_out)
+        spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
+        outputs = self.worker.execute_model_step(sched_out, self, spec)
         self.generate_step += 1
         return outputs
 
     def flush_inflight_reqs(self) -> list:
         """Post-processes the decode step that ZOS kept in flight."""
         self.scheduler.release_outputs()
-        return self.worker.flush_inflight_reqs()
+        return self.worker.flush_inflight_reqs(self)
+
+    def to_deltas(self, outputs: list) -> list[TokenDelta]:
+        """A step's outputs as TokenDeltas for a front end or the wire (logprobs where asked)."""
+        deltas = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)  # kept until the next step, see _finished
+            want = state is not None and state.params.logprobs is not None
+            deltas.append(TokenDelta.of(out, self.config.dp_rank, want))
+        return deltas
 
     # ---- call-backs of the worker ------------------------------------------------------
     def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None:
@@ -163,7 +184,7 @@ class LLMEngine:
 
     def post_process(self, state: StepState) -> list:
         """Appends the sampled tokens in C++ (stop rules, freeing finished blocks) and
-        returns the step's pooled outputs."""
+        returns the step's pooled outputs, after this engine's own per-request checks."""
         tokens, logprobs = state.tokens_and_logprobs()
         step_outputs = self.scheduler.process_outputs(state.sched_out, tokens, logprobs)
         top = state.top_logprobs()
@@ -176,19 +197,33 @@ class LLMEngine:
             prompt_logprobs.absorb(state.prompt_logprobs, self._prompt_logprobs)
         outputs = list(step_outputs)
         for i, out in enumerate(outputs):
-            req = self.requests[out.request_id]
             pl = self._prompt_logprobs.get(out.request_id)
             if pl is not None and not pl.delivered:  # a request's first output carries them
                 outputs[i] = out = out.with_prompt_logprobs(pl.logprobs, pl.top_ids, pl.top_logprobs)
                 pl.delivered = True
-            if req.stop_checker is not None and not out.finished and req.stop_checker.append(out.token_ids):
-                # The request's one final output is this step's token output, marked finished
-                # (the token-less final output finish_request returns is not needed here).
-                self.scheduler.finish_request(out.request_id, _C.SequenceStatus.FINISHED_STOPPED)
-                outputs[i] = out = out.clone_finished(_C.SequenceStatus.FINISHED_STOPPED)
+            try:
+                outputs[i] = out = self._check_stop_strings(out)
+            except Exception as e:  # one request's failure must not end the others
+                outputs[i] = out = self._fail_request(out, e)
             if out.finished:
                 self._finished.append(out.request_id)
         return outputs
+
+    def _check_stop_strings(self, out):
+        req = self.requests.get(out.request_id)
+        if req is not None and req.stop_checker is not None and not out.finished \
+                and req.stop_checker.append(out.token_ids):
+            self.scheduler.finish_request(out.request_id, _C.SequenceStatus.FINISHED_STOPPED)
+            return out.clone_finished(_C.SequenceStatus.FINISHED_STOPPED)
+        return out
+
+    def _fail_request(self, out, error: Exception) -> OwnedOutput:
+        """Finishes one request with an error (its blocks freed) instead of failing the step."""
+        rid = out.request_id
+        logger.exception("request %s failed while post-processing; the engine goes on", rid, exc_info=error)
+        self.scheduler.finish_request(rid, _C.SequenceStatus.FINISHED_ABORTED)
+        self.requests_failed += 1
+        return OwnedOutput.failed(out, f"{type(error).__name__}: {error}", self.config.dp_rank)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _drop_finished_states(self) -> None:
@@ -208,19 +243,23 @@ class LLMEngine:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
-                "device_busy_s": self.worker.device_busy_s, **s.stats}
+                "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
+                "forward_time_s": self.worker.runner.forward_time_s, **s.stats}
 
     def shutdown(self) -> None:
+        """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""
         self.worker.shutdown()
+        self.lockstep = None
 
 
 def _check_fits(request_id: str, prompt_len: int, max_tokens: int, max_seq_len: int) -> None:
     """A request that may grow past the context is refused, not cut short later. (A prompt
     that alone fills the context is left to the scheduler's own message.)"""
     if prompt_len < max_seq_len < prompt_len + max_tokens:
-        raise ValueError(f"request '{request_id}': the prompt has {prompt_len} tokens and max_tokens is "
-                         f"{max_tokens}, {prompt_len + max_tokens} in all, but the context length "
-                         f"(max_model_len) is {max_seq_len}; lower max_tokens or shorten the prompt")
+        raise InvalidRequest(f"request '{request_id}': the prompt has {prompt_len} tokens and max_tokens is "
+                             f"{max_tokens}, {prompt_len + max_tokens} in all, but the context length "
+                             f"(max_model_len) is {max_seq_len}; lower max_tokens or shorten the prompt",
+                             "max_tokens")
 
 
 def _is_special(state: RequestState) -> bool:

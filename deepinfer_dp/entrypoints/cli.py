@@ -19,7 +19,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="every request's own sampling seed (--seed seeds the engine's global RNG)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -45,11 +46,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from deepinfer_dp import LLM, SamplingParams
 
     deployment = load_config(args)
-    engine = deployment.engine_config()
-    options = {f: getattr(engine, f) for f in engine.__dataclass_fields__ if f not in ("model", "dp_rank")}
-    llm = LLM(model=engine.model, dp_options=deployment.dp_options(), **options)
+    llm = LLM(model=deployment.model, dp_size=deployment.dp_size, dp_options=deployment.dp_options(),
+              **deployment.engine_options())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
     use_tqdm = not args.no_progress
     if args.raw:
         texts = llm.generate(args.prompt, params, use_tqdm=use_tqdm)

@@ -1,8 +1,17 @@
-"""The offline API: LLM.generate and LLM.chat over one engine (or DP ranks, dp_size > 1)."""
+"""The offline API: LLM.generate and LLM.chat over one engine, or over DP ranks.
+
+Where the engines run:
+  - dp_size 1: in this process (`llm.llm_engine`), driven by the step loop.
+  - under torchrun: this process is one rank (`llm.llm_engine`, and `llm.dp` the group: its
+    rank, all_gather and rank_stats, collectives every rank calls).
+  - dp_size > 1 otherwise: Ray actor ranks behind the router process (`llm.dp`, see
+    cluster/dp_driver.py); `llm.llm_engine` is None, the engines are in the ranks.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -10,6 +19,7 @@ from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.distributed.groups import torchrun_env
 from deepinfer_dp.engine.llm_engine import LLMEngine
+from deepinfer_dp.engine.step_loop import StepLoop
 from deepinfer_dp.engine.stop_strings import truncate_at_stop
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -21,31 +31,37 @@ class LLM:
     def __init__(self, model: str | None = None, decode_sequence: bool = True, dp_options: dict | None = None,
                  **engine_options) -> None:
         """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`:
-        policy, address, strategy, collective_timeout_s; see cluster/offline.py). Under
-        torchrun, each process is one DP rank and calls generate on its own shard."""
+        policy, address, strategy, collective_timeout_s, host; see cluster/dp_driver.py).
+        Under torchrun, each process is one DP rank and calls generate on its own shard."""
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.decode_sequence = decode_sequence
-        self._dp = None
+        self.llm_engine: LLMEngine | None = None  # the engine in this process, if any
+        self.dp: Any = None  # the DP side: TorchrunRank or DPDriver; None at dp_size 1
+        self._loop: StepLoop | None = None
         if torchrun_env() is not None:
-            from deepinfer_dp.cluster.torchrun import build_torchrun_engine
-            self.llm_engine, self._dp = build_torchrun_engine(config)
+            from deepinfer_dp.cluster.torchrun import build_torchrun_rank
+            self.dp = build_torchrun_rank(config)
+            self._loop = self.dp.loop
+            self.llm_engine = self._loop.engine
         elif config.dp_size > 1:
-            from deepinfer_dp.cluster.offline import DPEngine
-            self.llm_engine = self._dp = DPEngine(config, **(dp_options or {}))
+            from deepinfer_dp.cluster.dp_driver import DPDriver
+            self.dp = DPDriver(config, **(dp_options or {}))
         else:
             self.llm_engine = LLMEngine(config)
+            self._loop = StepLoop(self.llm_engine)
+        self._submitter = self.llm_engine if self.llm_engine is not None else self.dp
 
     def rank_stats(self) -> list[dict]:
         """Every DP rank's counters (generate_step, placeholder_steps, ...); one entry at dp 1.
         Under torchrun this is a collective: call it on every rank."""
-        return [self.llm_engine.stats()] if self._dp is None else self._dp.rank_stats()
+        return [self._loop.stats()] if self.dp is None else self.dp.rank_stats()
 
     def shutdown(self) -> None:
-        """Stops DP ranks (Ray actors) and the engine's threads."""
-        self.llm_engine.shutdown()
+        """Stops the engine's threads, the DP ranks (Ray actors) or the DP group (torchrun)."""
+        (self.dp or self.llm_engine).shutdown()
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self._submitter.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,7 +85,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list:
         """Applies the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.llm_engine.tokenizer
+        tok = self.get_tokenizer()
         ids = [_as_ids(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True))
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
@@ -81,33 +97,32 @@ class LLM:
         owners: dict[str, int] = {}
         try:
             for i, p in enumerate(params):
-                for _ in range(p.n):
-                    single = p.clone()
-                    single.n = 1
-                    rid = self.llm_engine.add_request(
+                for sample in range(p.n):
+                    single = p.for_sample(sample)
+                    rid = self._submitter.add_request(
                         None if prompts is None else prompts[i], single,
                         None if prompt_token_ids is None else prompt_token_ids[i])
                     owners[rid] = i
         except ValueError as e:
-            self.llm_engine.abort_request(list(owners))
+            self._submitter.abort_request(list(owners))
             raise ValueError(f"prompt {i}: {e}") from e
         return owners
 
     def _run_engine(self, use_tqdm: bool, num_requests: int) -> dict[str, list]:
-        engine = self.llm_engine
         pbar = tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm)
         outputs: dict[str, list] = {}
-        while True:
-            unfinished = engine.has_unfinished_requests()
-            step_outputs = engine.step() if unfinished else engine.flush_inflight_reqs()
+
+        def collect(step_outputs: list) -> None:
             for raw in step_outputs:
-                # Clone now: pooled outputs are released by the next step.
-                out = raw.clone()
+                out = raw.clone()  # now: pooled outputs are released by the next step
                 outputs.setdefault(out.request_id, []).append(out)
                 if out.finished:
                     pbar.update(1)
-            if not unfinished:
-                break
+
+        if self._loop is not None:
+            self._loop.run(collect)
+        else:
+            self.dp.run_until_done(collect)  # the ranks run the step loop
         pbar.close()
         return outputs
 
@@ -116,15 +131,17 @@ class LLM:
         results: list[list] = [[] for _ in range(num)]
         for rid in sorted(owners, key=int):
             outs = outputs.get(rid, [])
+            i = owners[rid]
             if not outs or not outs[-1].finished:
                 raise RuntimeError(f"request {rid} ended without a finished output")  # never silently short
-            i = owners[rid]
+            if outs[-1].finish_reason == "error":
+                raise RuntimeError(f"prompt {i}: request {rid} failed: {outs[-1].error}")
             results[i].append(self._decode(outs, params[i]) if self.decode_sequence else outs)
         return [r[0] if params[i].n == 1 else r for i, r in enumerate(results)]
 
     def _decode(self, outs: list, params: SamplingParams) -> str:
         ids = [t for o in outs for t in o.token_ids]
-        text = self.llm_engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        text = self.get_tokenizer().decode(ids, skip_special_tokens=params.skip_special_tokens)
         if params.stop and outs[-1].status == _C.SequenceStatus.FINISHED_STOPPED:
             text = truncate_at_stop(text, params.stop, params.include_stop_str_in_output)
         return text

@@ -39,6 +39,8 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
      "Time spent in placeholder steps (part of step_time_seconds)."),
     ("device_busy_seconds", "counter", "device_busy_s",
      "CPU: time the rank's compute thread spent in forward passes and sampling."),
+    ("requests_failed", "counter", "requests_failed",
+     "Requests finished with an error inside the engine; the engine kept serving the others."),
 ]
 
 

@@ -1,14 +1,18 @@
 """The server's own metrics: request latencies, outcomes and routing, per dp_rank.
 
 Each server owns a CollectorRegistry (not prometheus-client's global one), so several
-servers in one process, as in tests, never collide.
+servers in one process, as in tests, never collide. Several API server processes on one port
+(--api-server-count) run prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set
+before they start): /metrics on any of them adds up every process's series.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from deepinfer_dp.metrics.rank_collector import PREFIX, RankStatsCollector
 
@@ -21,7 +25,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class ServerMetrics:
     def __init__(self, client: Any, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(RankStatsCollector(client))
+        self.rank_collector = RankStatsCollector(client)
+        self.registry.register(self.rank_collector)
         labels = ["model_name", "dp_rank"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -50,5 +55,15 @@ class ServerMetrics:
         if e2e_seconds is not None and rank is not None:
             self.e2e.labels(self.model_name, str(rank)).observe(e2e_seconds)
 
+    def exposed_registry(self) -> CollectorRegistry:
+        """What /metrics shows: this server's registry, or with several API server processes
+        every process's server series (summed) and the ranks' series once."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return self.registry
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self.rank_collector)
+        return registry
+
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed_registry())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -85,13 +86,14 @@ class ModelRunner:
             replace_linears(self.model)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # Zero-copy over the scheduler's buffer on CPU; one host-to-device copy on CUDA.
         t = torch.from_numpy(array)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def prepare(self, out: _C.SchedulerOutput, prev_tokens: torch.Tensor | None) -> ModelInput:
+    def prepare(self, out: _C.SchedulerOutput) -> ModelInput:
         inflight_src = self._tensor(out.input_from_prev) if out.has_inflight_inputs else None
         qsl = out.query_start_loc
         seq_lens = out.seq_lens
@@ -108,7 +110,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         return ModelInput(self._tensor(out.input_ids), self._tensor(out.positions), md,
-                          self._tensor(out.sample_indices), inflight_src, prev_tokens)
+                          self._tensor(out.sample_indices), inflight_src)
 
     def placeholder_input(self) -> ModelInput:
         """One dummy token at position 0 in the reserved block 0: the same forward pass as a
@@ -127,9 +129,16 @@ class ModelRunner:
         )
         return ModelInput(one, one.clone(), md, None)
 
-    @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""
+        start = time.perf_counter()
+        try:
+            return self._forward(inp)
+        finally:
+            self.forward_time_s += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _forward(self, inp: ModelInput) -> torch.Tensor | None:
         input_ids = inp.input_ids
         if inp.inflight_src is not None:
             # Tokens the previous (deferred) step sampled, never read on the host yet.

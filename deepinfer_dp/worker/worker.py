@@ -1,10 +1,15 @@
-"""The device worker: every step goes through the seed's four phases.
+"""The device worker: every step goes through four phases.
 
   1. Forward current step (in the background: a thread on CPU, async kernels on CUDA)
   2. Post-process previous step (host work that overlaps the forward)
   3. Sample current step
   4. Post-process current step: in place for prefill, placeholder or ZOS-off steps; a ZOS
      decode step is kept in `prev_step_state` and post-processed during the next step.
+
+Phases 2-4 need the engine's per-request state, so the worker calls back into it: the two
+methods of StepHost, and nothing else. The engine is passed to each call rather than kept,
+so worker and engine hold no reference cycle (which kept the DP groups alive until
+interpreter teardown).
 """
 
 from __future__ import annotations
@@ -58,19 +63,18 @@ class StepState:
 
 
 class StepHost(Protocol):
-    """What the worker needs from its engine (the seed's two call-backs)."""
+    """The worker's only two calls up into its engine (LLMEngine implements them)."""
 
-    def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None: ...
+    def sampling_batch(self, sched_out: _C.SchedulerOutput, vocab_size: int) -> SamplingBatch | None:
+        """How to sample this step's rows; None when every row is plain greedy (phase 3)."""
 
-    def prompt_logprobs_spec(self, sched_out: _C.SchedulerOutput) -> PromptLogprobsSpec | None: ...
-
-    def post_process(self, state: StepState) -> list: ...
+    def post_process(self, state: StepState) -> list:
+        """Consumes a step's sampled tokens and returns its outputs (phases 2 and 4)."""
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, host: StepHost, zos: bool) -> None:
+    def __init__(self, runner: ModelRunner, zos: bool) -> None:
         self.runner = runner
-        self.host = host
         self.zos = zos
         self.sampler = Sampler()
         self.prev_step_state: StepState | None = None
@@ -84,22 +88,22 @@ class Worker:
         # time it shows how much the host or the DP lockstep left the compute idle.
         self.device_busy_s = 0.0
 
-    def execute_model_step(self, sched_out: _C.SchedulerOutput) -> list:
+    def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
+                           prompt_logprobs: PromptLogprobsSpec | None = None) -> list:
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
             model_input = self.runner.placeholder_input()
         else:
-            model_input = self.runner.prepare(sched_out, None)
-            if sched_out.is_prompt:
-                model_input.prompt_logprobs = self.host.prompt_logprobs_spec(sched_out)
+            model_input = self.runner.prepare(sched_out)
+            model_input.prompt_logprobs = prompt_logprobs
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step
         self.prev_step_state = None
-        outputs = self._post_process_step(prev)
+        outputs = self._post_process_step(prev, host)
         # 3. Sample current step (queued on the device after the forward)
-        batch = self.host.sampling_batch(sched_out, self.runner.vocab_size) if sched_out.num_samples else None
+        batch = host.sampling_batch(sched_out, self.runner.vocab_size) if sched_out.num_samples else None
         # On CPU a ZOS decode step returns while its forward still runs: the host goes on to
         # the DP vote and the next schedule, and waits for these tokens only when it
         # post-processes them, after the next forward is queued behind this one.
@@ -107,16 +111,16 @@ class Worker:
                          prompt_logprobs=model_input.prompt_logprobs)
         # 4. Post-process current step, now or (ZOS decode) during the next step
         if sched_out.is_prompt or placeholder or not self.zos:
-            outputs.extend(self._post_process_step(curr))
+            outputs.extend(self._post_process_step(curr, host))
         else:
             self._stage_to_host(curr)
             self.prev_step_state = curr
         return outputs
 
-    def flush_inflight_reqs(self) -> list:
-        """Post-processes the step ZOS kept back; every step loop calls this once at the end."""
+    def flush_inflight_reqs(self, host: StepHost) -> list:
+        """Post-processes the step ZOS kept back; the step loop calls this once at the end."""
         state, self.prev_step_state = self.prev_step_state, None
-        return self._post_process_step(state)
+        return self._post_process_step(state, host)
 
     def _on_device(self, fn, *args):
         """Queues `fn` on the device thread (CPU) or runs it now (CUDA: kernels are queued
@@ -161,10 +165,10 @@ class Worker:
         state.event = torch.cuda.Event()
         state.event.record()
 
-    def _post_process_step(self, state: StepState | None) -> list:
+    def _post_process_step(self, state: StepState | None, host: StepHost) -> list:
         if state is None:
             return []
-        return self.host.post_process(state)
+        return host.post_process(state)
 
     def shutdown(self) -> None:
         if self._device is not None:

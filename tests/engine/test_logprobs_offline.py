@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import LLM, SamplingParams
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.engine.client import TokenDelta
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TOL = 2e-3  # fp32 on both sides; kernels differ in summation order
@@ -127,7 +128,7 @@ def test_top_logprobs_cross_the_dp_wire(llm):
     prompt = prompts_of_lengths([6])[0]
     outs = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
                         sampling_params=SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=2, **GREEDY))[0]
-    msg = p.Deltas(1, [p.delta_of(o, 1) for o in outs])
+    msg = p.Deltas(1, [TokenDelta.of(o, 1, want_logprobs=True) for o in outs])
     back = p.router_decoder.decode(msgspec.msgpack.encode(msg))
     assert back.deltas[0].top_logprobs == outs[0].top_logprobs
     assert back.deltas[0].prompt_logprobs == outs[0].prompt_logprobs

@@ -3,16 +3,14 @@ router): offline LLM(dp_size=2) outputs and a DP=2 server's answers equal one en
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 from model_utils import prompts_of_lengths
-from server_utils import ENGINE_OPTIONS, HAVE_ROUTER, MODEL_NAME, NO_ROUTER_REASON, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
 
 from deepinfer_dp import LLM, SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_ROUTER, reason=NO_ROUTER_REASON)]
+pytestmark = pytest.mark.slow
 PROMPTS = prompts_of_lengths([7, 12, 5, 9])
 PARAMS = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4, logprobs=3, prompt_logprobs=2)
 TOL = 1e-5
@@ -30,8 +28,7 @@ def single(model_dir):
     llm.shutdown()
 
 
-def test_offline_dp_outputs_carry_the_alternatives(model_dir, single):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+def test_offline_dp_outputs_carry_the_alternatives(model_dir, single, ray_cluster):
     llm = LLM(model_dir, decode_sequence=False, dp_size=2, **ENGINE_OPTIONS)
     try:
         got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, use_tqdm=False)
@@ -46,7 +43,7 @@ def test_offline_dp_outputs_carry_the_alternatives(model_dir, single):
         assert [list(d) for d in outs[0].prompt_top_logprobs[1:]] == [list(d) for d in want[0].prompt_top_logprobs[1:]]
 
 
-def test_dp_server_echo_and_top_logprobs(model_dir, single):
+def test_dp_server_echo_and_top_logprobs(model_dir, single, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
         for prompt, want in zip(PROMPTS, single, strict=True):
             r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,

@@ -21,7 +21,7 @@ def test_file_then_flags(tmp_path):
     parser = argparse.ArgumentParser()
     add_config_args(parser)
     args = parser.parse_args(["--config", str(path), "--max-n", "16", "--max-prompts", "5",
-                              "--max-request-body-bytes", "4096", "--chat-special-tokens-as-control"])
+                              "--max-request-body-bytes", "4096", "--no-chat-special-tokens-as-text"])
     limits = load_config(args).server.limits()
     assert limits == ServerLimits(max_request_body_bytes=4096, max_n=16, max_prompts=5, max_waiting_requests=50,
                                   chat_special_tokens_as_text=False)

@@ -1,13 +1,16 @@
 """Starting the OpenAI server: `deepinfer-dp serve` (add_serve_args + run_serve), run_server
 for a blocking server, and ServerThread for a server in the background (tests, benchmarks).
 
-dp_size 1 serves one in-process engine (LocalEngineClient); dp_size > 1 serves the DP
-router of deepinfer_dp.cluster, which implements the same EngineClient protocol.
+dp_size 1 serves one in-process engine (LocalEngineClient); dp_size > 1 serves through the
+router process of deepinfer_dp.cluster (RouterClient, the same EngineClient protocol). With
+--api-server-count N > 1, N API server processes share the port and all talk to the router
+(entrypoints/openai/api_servers.py), at any dp_size.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 
 import uvicorn
@@ -29,6 +32,7 @@ class ServerThread:
         self.app = build_app(client, served_model_name, api_key, limits)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
+        self.died = _stop_when_the_engine_dies(client, self.server)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="deepinfer-http", daemon=True)
 
@@ -55,13 +59,45 @@ class ServerThread:
 
 def run_server(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
                host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
-               limits: ServerLimits | None = None) -> None:
-    """Serves until interrupted (Ctrl-C). /metrics is always on `port`; `metrics_port` serves
-    the same registry on a port of its own too (for scrapers kept off the API port)."""
+               sockets: list | None = None, limits: ServerLimits | None = None) -> int:
+    """Serves until interrupted (Ctrl-C): returns 0, or 1 when the engine died (the server
+    then stops by itself, so a supervisor sees the process end and restarts it). /metrics is
+    always on `port`; `metrics_port` serves the same registry on a port of its own too.
+    `sockets`: already listening sockets to serve on (shared by several API servers)."""
     app = build_app(client, served_model_name, api_key, limits)
     if metrics_port is not None:
-        start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.registry)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")).run()
+        start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
+    died = _stop_when_the_engine_dies(client, server)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handler it found; with this one that ends here, so the caller stops the engine and the
+    # process exits with status 0 (outside server.run the default handlers apply).
+    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, _already_handled) for sig in handled}
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 1 if died else 0
+
+
+def _already_handled(signum: int, frame) -> None:
+    """uvicorn already shut the server down for this signal."""
+
+
+def _stop_when_the_engine_dies(client: EngineClient, server: uvicorn.Server) -> list[BaseException]:
+    """An in-process engine whose loop failed stops the server, instead of a process that is
+    up but answers 503 forever. Returns the list its error lands in."""
+    died: list[BaseException] = []
+
+    def stop(error: BaseException) -> None:
+        died.append(error)
+        server.should_exit = True
+
+    if hasattr(client, "on_fatal"):
+        client.on_fatal = stop
+    return died
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -95,50 +131,57 @@ def make_local_client(model: str | None, served_model_name: str | None = None,
 
 
 class DPClient:
-    """The DP router (an EngineClient) over dp_size ranks started as Ray actors; shutdown()
-    stops the ranks too. Everything else is the router's."""
+    """The router process's client (an EngineClient) over dp_size ranks started as Ray actors;
+    shutdown() stops the router and the ranks too. Everything else is the client's."""
 
-    def __init__(self, dp_engine, served_model_name: str) -> None:
-        self.dp_engine = dp_engine
-        self.router = dp_engine.router
-        self.router.model_name = served_model_name
+    def __init__(self, router, deployment) -> None:
+        self.router = router
+        self.deployment = deployment
 
     def __getattr__(self, name: str):
         return getattr(self.router, name)
 
     def shutdown(self) -> None:
-        self.dp_engine.shutdown()
+        self.router.close()
+        self.deployment.shutdown()
 
 
 def make_dp_client(model: str | None, dp_size: int, served_model_name: str | None = None,
                    policy: str = "round_robin", dp_options: dict | None = None, **engine_options) -> DPClient:
-    """dp_size ranks behind the router of deepinfer_dp.cluster (the same EngineClient protocol)."""
-    from deepinfer_dp.cluster.offline import DPEngine
+    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient protocol)."""
+    from deepinfer_dp.cluster.dp_driver import connect, per_rank_threads
+    from deepinfer_dp.cluster.ray_launcher import RayDeployment
     from deepinfer_dp.config import EngineConfig
 
-    config = EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options)
+    config = per_rank_threads(EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options))
     options = {"policy": policy, **(dp_options or {})}
-    return DPClient(DPEngine(config, **options), served_model_name or default_model_name(model))
+    deployment = RayDeployment(config, **options)
+    name = served_model_name or default_model_name(model)
+    try:
+        router = connect(deployment.frontend, deployment.infos[0], model, name, options.get("host", DEFAULT_HOST))
+    except BaseException:
+        deployment.shutdown()
+        raise
+    return DPClient(router, deployment)
 
 
 def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `deepinfer-dp serve` (after add_serve_args)."""
-    from dataclasses import asdict
-
     from deepinfer_dp.config_file import ConfigError, load_config
 
-    if args.model_path is not None:
-        args.model = args.model or args.model_path
     try:
-        deployment = load_config(args)
+        deployment = load_config(args, model=args.model_path)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
-    engine = {k: v for k, v in asdict(deployment.engine_config()).items()
-              if k not in ("model", "dp_size", "dp_rank")}
+    engine = deployment.engine_options()
     name = args.served_model_name or default_model_name(deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
+    if deployment.server.api_server_count > 1:
+        from deepinfer_dp.entrypoints.openai.api_servers import run_api_servers
+
+        raise SystemExit(run_api_servers(deployment, name))
     if deployment.dp_size > 1:
         client = make_dp_client(deployment.model, deployment.dp_size, name, dp_options=deployment.dp_options(),
                                 **engine)
@@ -146,10 +189,12 @@ def run_serve(args: argparse.Namespace) -> None:
         client = make_local_client(deployment.model, name, **engine)
     server = deployment.server
     try:
-        run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port,
-                   server.limits())
+        code = run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port,
+                          limits=server.limits())
     finally:
         client.shutdown()
+    if code:
+        raise SystemExit(f"deepinfer-dp serve: the engine failed (see the log above); exiting with status {code}")
 
 
 def serve_main(argv: list[str] | None = None) -> None:

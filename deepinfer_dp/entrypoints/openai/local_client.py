@@ -1,10 +1,15 @@
 """An EngineClient over ONE in-process LLMEngine (dp_size=1), driven by a background thread.
 
-The thread owns the engine: it runs the step loop (step() while there is work, then one
-flush_inflight_reqs()), and between steps takes commands (add, abort) from a queue. Each
-step's outputs become TokenDeltas, handed to the asyncio loop of the request's caller with
-call_soon_threadsafe. With no work the thread blocks on the command queue and burns no CPU.
+The thread owns the engine. Idle, it blocks on its command queue (no CPU). A command (add,
+abort) starts the step loop (engine/step_loop.py), which takes further commands between
+steps and returns after the final flush once no request is left. Each step's outputs become
+TokenDeltas, handed to the asyncio loop of the request's caller with call_soon_threadsafe.
 Closing a generate() iterator early aborts the request, which frees its KV blocks.
+
+One request's failure (refused input, a failure while admitting or post-processing it)
+fails that request only. If the loop itself fails, every waiting request gets the error,
+health() reports the rank down and `on_fatal` is called: the server process then exits,
+so a supervisor sees it and restarts it.
 """
 
 from __future__ import annotations
@@ -15,12 +20,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from deepinfer_dp.engine.client import NoCapacity, RankFailed, RequestRejected, TokenDelta
+from deepinfer_dp.engine.client import (
+    NoCapacity,
+    RankFailed,
+    RequestFailed,
+    RequestRejected,
+    TokenDelta,
+    deltas_until_finished,
+)
 from deepinfer_dp.engine.llm_engine import LLMEngine
+from deepinfer_dp.engine.step_loop import StepLoop
 from deepinfer_dp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,22 +43,22 @@ STATS_PERIOD_S = 0.5  # how often the thread refreshes the stats snapshot while 
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    want_logprobs: bool
 
 
 class LocalEngineClient:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
+        self.loop = StepLoop(engine)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.vocab_size
+        self.input_processor = engine.input_processor
+        self.on_fatal: Callable[[BaseException], None] | None = None  # the engine loop died
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._step_time_s = 0.0
-        self._placeholder_step_time_s = 0.0
-        self._stats: dict = self._snapshot()
+        self._stats: dict = self.loop.stats()
+        self._last_stats = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
@@ -56,20 +68,11 @@ class LocalEngineClient:
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         if not self._thread.is_alive():
             raise NoCapacity("the engine thread is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.logprobs is not None)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         engine_id = f"{request_id}-{next(self._ids)}"  # unique even if a client reuses ids
         self._commands.put(("add", engine_id, list(prompt_token_ids), params, stream))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # the caller went away (or failed): free the rank's blocks
-                self._commands.put(("abort", engine_id))
+        async for delta in deltas_until_finished(stream.queue, lambda: self._commands.put(("abort", engine_id))):
+            yield delta
 
     async def abort(self, request_id: str) -> None:
         for engine_id in [r for r in list(self._streams) if r.rsplit("-", 1)[0] == request_id]:
@@ -92,35 +95,24 @@ class LocalEngineClient:
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._step_loop()
+            while not self._stopping.is_set():
+                self._stats = self.loop.stats()
+                self._handle(self._commands.get())  # idle: block until there is work
+                self.loop.run(self._deliver, take_work=self._between_steps)
         except Exception as e:  # a crashed engine must not leave its callers waiting forever
-            logger.exception("the engine thread failed")
+            logger.exception("the engine loop failed")
             self._fail_all(RankFailed(f"the engine failed: {e!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             return  # the thread ends: health() reports the rank down, generate() answers 503
         self._fail_all(NoCapacity("the server is shutting down"))
 
-    def _step_loop(self) -> None:
-        in_loop = False  # inside a step loop: a flush is owed before going idle
-        last_stats = 0.0
-        while not self._stopping.is_set():
-            if not self.engine.has_unfinished_requests():
-                if in_loop:
-                    self._deliver(self.engine.flush_inflight_reqs())
-                    in_loop = False
-                self._stats = self._snapshot()
-                self._handle(self._commands.get())  # idle: block until there is work
-                continue
-            self._drain_commands()
-            start, placeholders = time.perf_counter(), self.engine.placeholder_steps
-            outputs = self.engine.step()
-            elapsed = time.perf_counter() - start
-            self._step_time_s += elapsed
-            if self.engine.placeholder_steps != placeholders:
-                self._placeholder_step_time_s += elapsed
-            in_loop = True
-            self._deliver(outputs)
-            if start - last_stats > STATS_PERIOD_S:
-                self._stats, last_stats = self._snapshot(), start
+    def _between_steps(self) -> None:
+        self._drain_commands()
+        now = time.perf_counter()
+        if now - self._last_stats > STATS_PERIOD_S:
+            # Read on this thread only, so the C++ scheduler is never touched by two threads.
+            self._stats, self._last_stats = self.loop.stats(), now
 
     def _drain_commands(self) -> None:
         while True:
@@ -138,34 +130,28 @@ class LocalEngineClient:
             except ValueError as e:
                 _put(stream, RequestRejected(str(e)))
                 return
+            except Exception as e:  # not the request's fault, but it must not end the engine
+                logger.exception("admitting request %s failed", engine_id)
+                _put(stream, RequestFailed(f"request {engine_id}: admission failed: {e!r}"))
+                return
             self._streams[engine_id] = stream
         elif kind == "abort":
             if self._streams.pop(command[1], None) is not None:
                 self.engine.abort_request(command[1])
 
     def _deliver(self, outputs: list) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for delta in self.engine.to_deltas(outputs):
+            stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            logprob = out.logprob if stream.want_logprobs else None
-            delta = TokenDelta(out.request_id, list(out.token_ids), out.finished, out.finish_reason,
-                               None if logprob is None else [logprob] * len(out.token_ids),
-                               out.prompt_len, out.output_len, 0, out.top_logprobs, out.prompt_logprobs,
-                               out.prompt_top_logprobs)
-            if out.finished:
-                del self._streams[out.request_id]
+            if delta.finished:
+                del self._streams[delta.request_id]
             _put(stream, delta)
 
     def _fail_all(self, error: Exception) -> None:
         for stream in self._streams.values():
             _put(stream, error)
         self._streams.clear()
-
-    def _snapshot(self) -> dict[str, Any]:
-        # Read on this thread only, so the C++ scheduler is never touched by two threads.
-        return {"dp_rank": 0, **self.engine.stats(), "step_time_s": self._step_time_s,
-                "placeholder_step_time_s": self._placeholder_step_time_s, "allreduce_time_s": 0.0}
 
 
 def _put(stream: _Stream, item: TokenDelta | Exception) -> None:

@@ -78,7 +78,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
                    else (req.max_tokens, "max_tokens"))
     max_tokens = check_prompt(ids, limit, ctx.client, "messages", "messages", name)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [ids], [make_params(req, max_tokens, logprobs, ctx.client.vocab_size)], stops
+    return [ids], [make_params(req, max_tokens, logprobs, ctx.client.input_processor.vocab_size)], stops
 
 
 def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:

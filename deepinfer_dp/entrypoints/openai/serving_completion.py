@@ -74,7 +74,8 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
     for i, ids in enumerate(prompts):
         which = "prompt" if len(prompts) == 1 else f"prompt {i}"
         max_tokens = check_prompt(ids, req.max_tokens, ctx.client, which)
-        params.append(make_params(req, max_tokens, req.logprobs, ctx.client.vocab_size, prompt_logprobs))
+        vocab_size = ctx.client.input_processor.vocab_size
+        params.append(make_params(req, max_tokens, req.logprobs, vocab_size, prompt_logprobs))
     return prompts, params, stops
 
 

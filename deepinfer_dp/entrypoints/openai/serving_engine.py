@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
+from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.entrypoints.openai.admission import Admission, ServerLimits
 from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer
 from deepinfer_dp.entrypoints.openai.detokenizer import IncrementalDetokenizer
@@ -151,25 +152,17 @@ def stop_strings(req: SamplingFields) -> list[str]:
 
 def check_prompt(ids: list[int], max_tokens: int | None, client: EngineClient, which: str = "prompt",
                  param: str = "prompt", max_param: str = "max_tokens") -> int:
-    """Checks one tokenized prompt; returns the max_tokens to ask for. The length comes first,
-    so a huge token list is refused without walking it."""
-    if not ids:
-        raise bad_request(f"{which} is empty", param)
+    """Checks one tokenized prompt with the engine's validator; returns the max_tokens to ask
+    for. `param` / `max_param` name the request fields an error points at."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
-    room = client.max_model_len - len(ids)
-    if max_tokens is None:
-        max_tokens = max(1, room)  # as much as fits; a prompt that fills the context fails below
-    if room < max_tokens:
-        raise bad_request(f"This model's maximum context length is {client.max_model_len} tokens. However, "
-                          f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {which}, "
-                          f"{max_tokens} for the completion). Please reduce the length of the {which} or "
-                          f"{max_param}.", max_param if room > 0 else param)
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < client.vocab_size:
-            raise bad_request(f"{which}: token id {t!r} at position {i} is outside the vocabulary "
-                              f"[0, {client.vocab_size})", param)
-    return max_tokens
+    try:
+        ids, params = client.input_processor.process(ids, SamplingParams(max_tokens=max_tokens),
+                                                     None if which == "prompt" else which, max_tokens_must_fit=True)
+    except InvalidRequest as e:
+        message = str(e) if max_param == "max_tokens" else str(e).replace("max_tokens", max_param)
+        raise bad_request(message, {"prompt": param, "max_tokens": max_param}.get(e.param, e.param)) from e
+    return params.max_tokens
 
 
 async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list[int], params: SamplingParams,
@@ -224,7 +217,7 @@ async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[i
         waiting.discard(index)
         ctx.admission.started()
 
-    gens = [run_choice(ctx, request_id, p * n + i, ids, _child(params[p], i), stops, arrival, on_start)
+    gens = [run_choice(ctx, request_id, p * n + i, ids, params[p].for_sample(i), stops, arrival, on_start)
             for p, ids in enumerate(prompts) for i in range(n)]
     try:
         async for event in _interleave(gens):
@@ -254,14 +247,6 @@ async def _interleave(gens: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[C
             t.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _child(params: SamplingParams, i: int) -> SamplingParams:
-    if i == 0 or params.seed is None:
-        return params
-    child = params.clone()
-    child.seed = params.seed + i  # reproducible, yet the n samples differ
-    return child
 
 
 async def _pump(gen: AsyncIterator[ChoiceEvent], queue: asyncio.Queue) -> None:

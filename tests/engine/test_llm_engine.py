@@ -1,5 +1,6 @@
-"""The engine against Hugging Face transformers (greedy, token-identical) and the seed's
-step-loop contracts: ZOS deferral, flush, pooled outputs, bad input, preemption."""
+"""The engine against Hugging Face transformers (greedy, token-identical) and the contracts of
+its step loop (docs/architecture.md): ZOS deferral, flush, pooled outputs, bad input,
+preemption."""
 
 from __future__ import annotations
 
@@ -230,16 +231,31 @@ def test_logprobs_and_seeded_sampling(tiny_model_dir):
     assert all(o.logprob is not None and o.logprob <= 0.0 for o in a)
 
 
-def test_n_returns_several_completions(tiny_model_dir):
-    llm = LLM(tiny_model_dir)
-    out = llm.generate(["hello"], SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1), use_tqdm=False)
-    assert len(out) == 1 and len(out[0]) == 3 and all(isinstance(t, str) for t in out[0])
+def test_n_returns_several_different_reproducible_completions(tiny_model_dir):
+    llm = LLM(tiny_model_dir, decode_sequence=False)
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    (samples,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+    got = token_ids(samples)
+    assert len(got) == 3 and len({tuple(t) for t in got}) > 1  # the samples differ from each other
+    # ...because sample i is seeded seed + i: each equals a single request with that seed
+    singles = [SamplingParams(max_tokens=8, temperature=1.0, seed=1 + i, ignore_eos=True) for i in range(3)]
+    alone = llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=singles, use_tqdm=False)
+    assert got == token_ids(alone)
+    texts = LLM(tiny_model_dir).generate(["hello"], SamplingParams(n=3, max_tokens=5, seed=1), use_tqdm=False)
+    assert len(texts) == 1 and len(texts[0]) == 3 and all(isinstance(t, str) for t in texts[0])
 
 
 def test_chat_applies_template(tiny_model_dir):
     llm = LLM(tiny_model_dir, decode_sequence=False)
-    res = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
-    assert len(res) == 1 and len(res[0]) == 3
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    res = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    templated = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                        tokenize=False)
+    ids = tok(templated, add_special_tokens=False).input_ids
+    assert len(ids) > len(tok("hi").input_ids)  # the template adds the role markers
+    assert res[0][0].prompt_len == len(ids)  # the engine saw the templated prompt, not the bare text
+    assert token_ids(res) == token_ids(llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False))
 
 
 def test_abort_frees_blocks(tiny_model_dir):

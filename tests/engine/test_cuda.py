@@ -1,7 +1,7 @@
 """The CUDA path: streams, pinned copies and events under ZOS, bf16, sampling on the device.
 
 Skipped without a GPU (CI has none); run on a lent GPU machine with
-`python3 -m pytest -q tests/test_cuda.py`. fp32 on CUDA must still be token-identical to
+`python3 -m pytest -q tests/engine/test_cuda.py`. fp32 on CUDA must still be token-identical to
 transformers on CUDA; bf16 is checked against our own fp32 within bf16's precision.
 """
 

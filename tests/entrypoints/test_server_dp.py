@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server over a DP=2 cluster of a tiny model: the router of
-deepinfer_dp.cluster (issue 4) over two lockstep Ray ranks, hit with the real `openai` client.
+"""The OpenAI-compatible server over a DP=2 cluster of a tiny model: the router process of
+deepinfer_dp.cluster over two lockstep Ray ranks, hit with the real `openai` client.
 Greedy results equal the offline DP=1 LLM results; concurrent requests land on both ranks; a
 client that disconnects mid-stream gets its request aborted on its rank, which frees its blocks.
 """
@@ -14,11 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
+from dp_utils import assert_actors_exited_cleanly  # noqa: E402
 from server_utils import (  # noqa: E402
     ENGINE_OPTIONS,
-    HAVE_ROUTER,
     MODEL_NAME,
-    NO_ROUTER_REASON,
     served,
     tiny_model_dir,
 )
@@ -28,7 +27,6 @@ from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Data parallel ranks step", "What is the capital of"]
 MAX_TOKENS = 12
-pytestmark = pytest.mark.skipif(not HAVE_ROUTER, reason=NO_ROUTER_REASON)
 
 
 def greedy(max_tokens=MAX_TOKENS):
@@ -44,13 +42,16 @@ def model_dir(tmp_path_factory):
 def offline(model_dir):
     llm = LLM(model_dir, **ENGINE_OPTIONS)
     yield llm
-    llm.llm_engine.shutdown()
+    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def dp_server(model_dir):
+def dp_server(model_dir, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
+        deployment = srv.client.deployment
         yield srv
+    # shut down: the router and both ranks left on their own, status 0
+    assert_actors_exited_cleanly([deployment.router_pid] + [i["pid"] for i in deployment.infos])
 
 
 @pytest.fixture
@@ -126,3 +127,12 @@ def test_dp2_disconnect_mid_stream_frees_kv_blocks(dp_server):
     assert [s["num_free_blocks"] for s in after] == [s["num_free_blocks"] for s in before]
     generated = sum(a["generation_tokens"] - b["generation_tokens"] for a, b in zip(after, before, strict=True))
     assert generated < 400  # aborted on its rank, not run to the end
+
+
+def test_dp2_a_seed_past_64_bits_is_a_json_400_and_leaves_nothing_in_flight(dp_server):
+    """It used to reach msgspec in the router (a plain-text 500) and leave a phantom request."""
+    body = {"model": MODEL_NAME, "prompt": "hi", "seed": 18446744073709551616, "temperature": 0.5}
+    r = httpx.post(dp_server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    health = httpx.get(dp_server.url + "/health").json()
+    assert health["status"] == "ok" and [h["inflight"] for h in health["ranks"]] == [0, 0]

@@ -16,7 +16,8 @@ def fresh(**kw):
 
 
 def test_refill_frees_slot_for_next_job():
-    # The seed book's three jobs: A, B, C need 2, 4, 1 tokens; two slots; all arrive at once.
+    # Three jobs: A, B, C need 2, 4, 1 tokens; two slots; all arrive at once. C must take the
+    # slot A frees (continuous batching), not wait for B.
     sched, model = fresh(max_num_seqs=2)
     for rid, n in [("A", 2), ("B", 4), ("C", 1)]:
         add(sched, rid, [1, 2, 3], max_tokens=n)

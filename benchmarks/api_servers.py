@@ -1,0 +1,97 @@
+"""API server processes: `deepinfer-dp serve --api-server-count 1` against `2`, side by side.
+
+Both sides serve through the router process over the same DP ranks; only the number of API
+server processes differs. On a small model the ranks are fast and HTTP, JSON and
+detokenization in Python are the bottleneck, which several API server processes share out.
+Each round starts the server, runs benchmarks/serving.py against it at --request-rate, and
+stops it; the sides alternate over --rounds rounds (this machine's speed drifts) and the best
+round of each counts.
+
+    python benchmarks/api_servers.py --model /tmp/deepinfer_dp_tiny/llama-gqa --dp-size 2 \\
+        --num-prompts 256 --request-rate 200 --max-tokens 32 [--rounds 2]
+
+(the tiny model: see configs/tiny_test.yaml for the command that builds it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+METRICS = {"req_s": r"request throughput\s+: (\S+)", "tok_s": r"output token throughput: (\S+)",
+           "ttft_p50": r"TTFT  p50 / p99\s+: (\S+) / (\S+)", "itl_p50": r"ITL   p50 / p99\s+: (\S+) / (\S+)"}
+
+
+def serve(args: argparse.Namespace, count: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--model", args.model,
+           "--dp-size", str(args.dp_size), "--port", str(port), "--api-server-count", str(count),
+           "--torch-threads", "1", "--max-num-seqs", str(args.max_num_seqs), *args.serve_flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server failed to start:\n{proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+def one_round(args: argparse.Namespace, count: int) -> dict:
+    proc, url = serve(args, count)
+    try:
+        out = subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", url, "--num-prompts",
+                              str(args.num_prompts), "--request-rate", str(args.request_rate), "--max-tokens",
+                              str(args.max_tokens), "--ignore-eos"], capture_output=True, text=True, check=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    found = {k: float(re.search(p, out.stdout).group(1)) for k, p in METRICS.items()}
+    found["failed"] = out.stdout.count("failed request")
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF directory or .gguf (a tiny model shows the HTTP cost)")
+    ap.add_argument("--dp-size", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--request-rate", type=float, default=200.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--serve-flags", nargs=argparse.REMAINDER, default=[], help="more flags for `serve`")
+    args = ap.parse_args()
+    best: dict[int, dict] = {}
+    for _ in range(args.rounds):
+        for count in (1, 2):
+            run = one_round(args, count)
+            print(f"api servers {count}: {run}", flush=True)
+            if count not in best or run["tok_s"] > best[count]["tok_s"]:
+                best[count] = run
+    print(f"\nworkload: {args.num_prompts} streamed chat requests at {args.request_rate} req/s, {args.max_tokens} "
+          f"tokens each, dp {args.dp_size}; best of {args.rounds} rounds")
+    print(f"{'api servers':>12} {'req/s':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'failed':>7}")
+    for count, r in sorted(best.items()):
+        print(f"{count:>12} {r['req_s']:>8.2f} {r['tok_s']:>9.1f} {r['ttft_p50']:>12.1f} {r['itl_p50']:>11.1f} "
+              f"{r['failed']:>7}")
+    print(f"2 / 1 output tokens/s: {best[2]['tok_s'] / best[1]['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

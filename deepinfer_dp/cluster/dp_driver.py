@@ -1,0 +1,136 @@
+"""Offline DP from one driver: `LLM(model, dp_size=N)` over Ray actor ranks and the router.
+
+DPDriver takes LLM's requests (add_request, abort_request, validated here first) and hands
+the ranks' outputs back (run_until_done) as OwnedOutputs that read like the RequestOutputs
+of one rank, so LLM.generate keeps one progress bar and prompt-order results. The ranks run
+the step loop; this process only waits for their outputs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import os
+import queue
+from collections.abc import Callable, Iterable
+
+from transformers import AutoTokenizer
+
+from deepinfer_dp.cluster.ray_launcher import RayDeployment
+from deepinfer_dp.cluster.router_client import RouterClient
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.engine.client import EngineError, RequestRejected
+from deepinfer_dp.engine.input_processor import InputProcessor
+from deepinfer_dp.engine.outputs import OwnedOutput
+from deepinfer_dp.models.loader import resolve_model_dir
+from deepinfer_dp.sampling_params import SamplingParams
+
+
+class DPDriver:
+    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors) and a
+    RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
+    `deployment` has the processes (kill_rank, infos)."""
+
+    def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
+                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
+        self.config = config = per_rank_threads(config)
+        self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host)
+        try:
+            self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
+                                  str(config.model or "default"), host)
+        except BaseException:
+            self.deployment.shutdown()
+            raise
+        self.tokenizer = self.router.tokenizer
+        self.input_processor = self.router.input_processor
+        self._outputs: queue.Queue = queue.Queue()
+        self._pending: set[str] = set()
+        self._counter = itertools.count()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.dp_size
+
+    def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        """Validates (raises ValueError naming the problem) and sends the request to the router."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("add_request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
+        rid = str(next(self._counter)) if request_id is None else str(request_id)
+        self.router.submit(rid, ids, params, self._outputs.put)
+        self._pending.add(rid)
+        return rid
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
+        ids = [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]
+        found = [r for r in ids if r in self._pending]
+        self.router.abort_sync(found)
+        self._pending.difference_update(found)
+        return found
+
+    def run_until_done(self, on_outputs: Callable[[list], None]) -> None:
+        """Hands every output of the pending requests to `on_outputs` until all finished. A
+        request the ranks refused or lost aborts the others and raises."""
+        while self._pending:
+            on_outputs(self._next_outputs())
+
+    def _next_outputs(self) -> list[OwnedOutput]:
+        """Waits for the next outputs from any rank, then takes everything already there."""
+        items = [self._next_item()]
+        while True:
+            try:
+                items.append(self._outputs.get_nowait())
+            except queue.Empty:
+                break
+        outputs = []
+        for item in items:
+            if isinstance(item, EngineError):
+                self.abort_request(list(self._pending))
+                raise ValueError(str(item)) if isinstance(item, RequestRejected) else item
+            outputs.append(OwnedOutput.from_delta(item))
+            if item.finished:
+                self._pending.discard(item.request_id)
+        return outputs
+
+    def _next_item(self):
+        while True:  # short waits keep Ctrl-C working; the router's health checks end dead ranks
+            try:
+                return self._outputs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def rank_stats(self) -> list[dict]:
+        return self.router.query_stats()
+
+    def shutdown(self) -> None:
+        """Stops the router and the rank actors (each exits cleanly); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self.router.close()
+        self.deployment.shutdown()
+
+
+def per_rank_threads(config: EngineConfig) -> EngineConfig:
+    """On the CPU, one share of the cores per rank unless torch_threads says otherwise: ranks
+    oversubscribing the cores would slow each other."""
+    if config.torch_threads is None and config.torch_device().type == "cpu":
+        return dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // config.dp_size))
+    return config
+
+
+def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
+            host: str = "127.0.0.1") -> RouterClient:
+    """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
+    server detokenizes itself) and the ranks' limits (`rank_info`) for validation."""
+    info = rank_info
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"],
+                        InputProcessor(info["vocab_size"], info["max_model_len"]), host)

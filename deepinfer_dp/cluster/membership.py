@@ -1,0 +1,171 @@
+"""Membership: which DP ranks are in the group, and what happens when one fails or returns.
+
+The router's health thread calls check() about once a second (and at once when a rank
+reports a failed vote). A rank the launcher says is dead is killed for good and marked down:
+its in-flight requests fail with RankFailed (through `on_down`), and the survivors re-form a
+fresh DP group on a new TCPStore served here (a Gloo group cannot be rejoined). A rank that is
+alive but stopped voting (frozen) is found because its peers report GroupBroken and it does
+not, for twice the collective timeout.
+
+rank_returned() is the seam for bringing a rank back (a restarted process at a new address):
+it is marked up and the group re-forms at full size, the same Reform the survivors get.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+
+from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.waves import Waves
+from deepinfer_dp.distributed.groups import serve_store
+
+logger = logging.getLogger(__name__)
+
+
+class Liveness(Protocol):
+    """What the launcher knows about rank processes (Ray: the actor handles)."""
+
+    def alive(self, dp_rank: int) -> bool: ...
+
+    def kill(self, dp_rank: int) -> None: ...
+
+
+@dataclass
+class RankHandle:
+    dp_rank: int
+    address: str
+    socket: zmq.Socket
+    up: bool = True
+    inflight: set[str] = field(default_factory=set)
+    woken_wave: int = -1  # the latest wave this rank was sent a Wake for
+    down_reason: str = ""
+
+    def send(self, msg) -> None:
+        self.socket.send(p.encoder.encode(msg))
+
+
+class Membership:
+    def __init__(self, ctx: zmq.Context, lock: threading.RLock, waves: Waves, host: str,
+                 collective_timeout_s: float, on_down: Callable[[RankHandle, str], None]) -> None:
+        self.ranks: list[RankHandle] = []
+        self.liveness: Liveness | None = None
+        self.group_failures = 0  # GroupBroken reports (a failed lockstep vote on some rank)
+        self._ctx, self._lock, self._waves, self._host = ctx, lock, waves, host
+        self._collective_timeout_s = collective_timeout_s
+        self._on_down = on_down
+        self._stores: list = []  # stores of re-formed groups, kept alive while ranks use them
+        self._broken_since: float | None = None  # first GroupBroken not yet resolved by a re-form
+        self._broken_ranks: set[int] = set()
+        self._reform_wave = -1  # GroupBroken from before the latest re-form is already handled
+
+    def attach(self, addresses: list[str], liveness: Liveness | None) -> None:
+        """The ranks of the first group (dp_rank = index)."""
+        with self._lock:
+            self.ranks = [RankHandle(i, addr, self._connect(addr)) for i, addr in enumerate(addresses)]
+            self.liveness = liveness
+
+    def _connect(self, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a blocked send under the lock would stop the router's loop too,
+        # and with it the ranks' replies (a deadlock on a large burst).
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(address)
+        return sock
+
+    def up(self) -> list[RankHandle]:
+        return [r for r in self.ranks if r.up]
+
+    def health(self) -> list[dict]:
+        return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason}
+                for r in self.ranks]
+
+    # ---- failures ------------------------------------------------------------------------
+    def group_broken(self, msg: p.GroupBroken) -> bool:
+        """A rank's vote failed; True when the health check should run now."""
+        if msg.wave < self._reform_wave:
+            return False  # from before the latest re-form: already handled
+        logger.error("DP rank %d: %s", msg.dp_rank, msg.message)
+        self.group_failures += 1
+        self._broken_ranks.add(msg.dp_rank)
+        if self._broken_since is None:
+            self._broken_since = time.monotonic()
+        return True
+
+    def check(self) -> None:
+        """Marks dead or stuck ranks down (failing their requests) and re-forms the survivors.
+        Runs on the health thread: the liveness calls can block, so not under the lock."""
+        if self.liveness is None:
+            return
+        with self._lock:
+            candidates = [r.dp_rank for r in self.ranks if r.up]
+        dead = [i for i in candidates if not self.liveness.alive(i)]
+        for i in dead:
+            self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
+        with self._lock:
+            for i in dead:
+                self.mark_down(i, f"DP rank {i} died or stopped answering health checks")
+            dead += self._kill_stuck()
+            up = [r.dp_rank for r in self.ranks if r.up]
+            # Every survivor reported a failed vote and nobody died: a retry on a fresh group.
+            all_broken = self._broken_since is not None and set(up) <= self._broken_ranks
+            if up and (dead or all_broken):
+                self._reform()
+
+    def _kill_stuck(self) -> list[int]:
+        """Ranks alive but silent while their peers' votes failed, for twice the timeout."""
+        since = self._broken_since
+        if since is None or time.monotonic() - since <= 2 * self._collective_timeout_s:
+            return []
+        stuck = [r.dp_rank for r in self.ranks if r.up and r.dp_rank not in self._broken_ranks]
+        for i in stuck:
+            self.liveness.kill(i)
+            self.mark_down(i, f"DP rank {i} stopped answering (no lockstep vote within "
+                              f"{self._collective_timeout_s:.0f}s)")
+        return stuck
+
+    def mark_down(self, dp_rank: int, reason: str) -> None:
+        with self._lock:
+            rank = self.ranks[dp_rank]
+            if not rank.up:
+                return
+            rank.up, rank.down_reason = False, reason
+            logger.error("%s; failing its %d in-flight request(s)", reason, len(rank.inflight))
+            self._on_down(rank, reason)
+
+    def rank_returned(self, dp_rank: int, address: str) -> None:
+        """A restarted rank is ready at `address`: it serves again, in a group at full size."""
+        with self._lock:
+            rank = self.ranks[dp_rank]
+            rank.socket.close(linger=0)
+            rank.address, rank.socket = address, self._connect(address)
+            rank.up, rank.down_reason, rank.inflight = True, "", set()
+            self._reform()
+
+    def _reform(self) -> None:
+        """A fresh group of the ranks that are up, on a new store."""
+        self._broken_since, self._broken_ranks = None, set()
+        store = serve_store(self._host)
+        self._stores.append(store)
+        members = self.up()
+        wave = self._waves.next_for_reform()
+        self._reform_wave = wave
+        for i, r in enumerate(members):
+            r.woken_wave = -1
+            r.send(p.Reform(self._host, store.port, i, len(members), wave))
+        logger.warning("re-forming the DP group with ranks %s", [r.dp_rank for r in members])
+
+    def close(self) -> None:
+        """Asks every rank that is up to shut down, and closes the sockets."""
+        with self._lock:
+            for r in self.ranks:
+                if r.up:
+                    r.send(p.Shutdown())
+            for r in self.ranks:
+                r.socket.close(linger=500)

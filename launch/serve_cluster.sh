@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Serving on this machine through the router process: DP ranks and the router as Ray actors,
+# and API_SERVERS API server processes sharing one port (vLLM's --api-server-count).
+#   launch/serve_cluster.sh [CONFIG] [extra flags of `deepinfer-dp serve`]
+#   API_SERVERS=2 launch/serve_cluster.sh configs/smollm2_dp2.yaml --port 8000
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+CONFIG="${1:-configs/smollm2_dp2.yaml}"
+shift || true
+exec python -m deepinfer_dp.entrypoints.openai.launcher --config "$CONFIG" \
+  --api-server-count "${API_SERVERS:-2}" "$@"

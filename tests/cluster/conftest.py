@@ -1,0 +1,17 @@
+"""Fixtures of the DP tests."""
+
+from __future__ import annotations
+
+import pytest
+from dp_utils import ENGINE, GREEDY, PROMPTS, token_ids
+
+
+@pytest.fixture(scope="module")
+def dp1_token_ids(tiny_model_dir) -> list[list[int]]:
+    """The reference: the DP prompts' greedy tokens from one engine at dp 1."""
+    from deepinfer_dp.entrypoints.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), decode_sequence=False, **ENGINE)
+    ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm.shutdown()
+    return ids

@@ -1,0 +1,44 @@
+"""The router's sharding policies and the wire format, on their own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.policies import LeastLoaded, PrefixAffinity, RoundRobin, make_policy
+from deepinfer_dp.sampling_params import SamplingParams
+
+
+def test_policies_pick_among_the_ranks_that_are_up():
+    rr = RoundRobin()
+    assert [rr.choose([1], {0: 0, 2: 0}) for _ in range(4)] == [0, 2, 0, 2]  # rank 1 is down
+    assert LeastLoaded().choose([1], {0: 3, 1: 1, 2: 1}) == 1
+    affinity = PrefixAffinity(prefix_len=4, slack=2)
+    home = affinity.choose([9, 9, 9, 9, 1], {0: 0, 1: 0})
+    assert affinity.choose([9, 9, 9, 9, 2], {0: 0, 1: 0}) == home  # same prefix, same rank
+    assert affinity.choose([9, 9, 9, 9, 3], {home: 5, 1 - home: 0}) == 1 - home  # too busy: elsewhere
+    with pytest.raises(ValueError, match="unknown router policy"):
+        make_policy("fastest")
+
+
+def test_wire_format_is_msgpack_structs_only():
+    params = SamplingParams(temperature=0.5, top_k=3, stop=["x"], max_tokens=7, seed=2**64 - 1)
+    msg = p.rank_decoder.decode(p.encoder.encode(p.AddRequest("7", [1, 2], p.params_to_wire(params))))
+    assert p.params_from_wire(msg.params) == params
+    with pytest.raises(msgspec.ValidationError):  # anything but the declared messages is refused
+        p.rank_decoder.decode(p.encoder.encode({"type": "Exec", "code": "import os"}))
+    with pytest.raises(ValueError):  # the rank validates the params again
+        p.params_from_wire({**p.params_to_wire(params), "temperature": -1.0})
+
+
+def test_package_root_and_policies_import_without_torch_or_transformers():
+    code = ("import sys, deepinfer_dp, deepinfer_dp.cluster.policies, deepinfer_dp.cluster.protocol\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "assert deepinfer_dp.SamplingParams is not None and 'torch' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

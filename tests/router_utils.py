@@ -1,0 +1,85 @@
+"""Fake DP ranks for testing the router without Ray or engines: each answers the router's
+messages over ZeroMQ the way cluster/rank.py does, with scripted tokens."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import zmq
+
+from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.engine.client import TokenDelta
+
+
+class FakeRank:
+    """Answers AddRequest with `num_tokens` deltas (token = 100 + dp_rank), unless `hold` is
+    set (the request then stays in flight); Abort with an abort delta; StatsQuery with
+    {"fake": dp_rank} unless `mute`. Every message received is kept in `received`."""
+
+    def __init__(self, dp_rank: int, backend: str, num_tokens: int = 3) -> None:
+        self.dp_rank = dp_rank
+        self.num_tokens = num_tokens
+        self.hold = False
+        self.mute = False
+        self.received: queue.Queue = queue.Queue()
+        self._ctx = zmq.Context()
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self.address = f"tcp://127.0.0.1:{self._inbox.bind_to_random_port('tcp://127.0.0.1')}"
+        self._outbox = self._ctx.socket(zmq.PUSH)
+        self._outbox.connect(backend)
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        with self._send_lock:
+            self._outbox.send(p.encoder.encode(msg))
+
+    def next_message(self, kind: type, timeout: float = 10.0):
+        """The next received message of type `kind` (others before it are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.received.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._inbox.poll(50):
+                continue
+            msg = p.rank_decoder.decode(self._inbox.recv())
+            self.received.put(msg)
+            if isinstance(msg, p.AddRequest) and not self.hold:
+                for i in range(self.num_tokens):
+                    last = i == self.num_tokens - 1
+                    self.send(p.Deltas(self.dp_rank, [TokenDelta(msg.request_id, [100 + self.dp_rank], last,
+                                                                 "length" if last else None, dp_rank=self.dp_rank)]))
+            elif isinstance(msg, p.Abort):
+                self.send(p.Deltas(self.dp_rank, [TokenDelta(r, [], True, "abort", dp_rank=self.dp_rank)
+                                                  for r in msg.request_ids]))
+            elif isinstance(msg, p.StatsQuery) and not self.mute:
+                self.send(p.Stats(self.dp_rank, msg.query_id, {"dp_rank": self.dp_rank, "fake": True}))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._inbox.close(linger=0)
+        self._outbox.close(linger=0)
+        self._ctx.term()
+
+
+class FakeLiveness:
+    """The launcher's view of the ranks: every rank alive unless listed in `dead`."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+        self.killed: list[int] = []
+
+    def alive(self, dp_rank: int) -> bool:
+        return dp_rank not in self.dead
+
+    def kill(self, dp_rank: int) -> None:
+        self.killed.append(dp_rank)
