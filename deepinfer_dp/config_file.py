@@ -14,6 +14,7 @@ load_config(args) reads the file first, then every flag given on the command lin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
 import typing
@@ -183,7 +184,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for flag, key, f in _options():
         kind = _scalar_type(f.annotation)
         default = "" if f.default is None else f" (default: {f.default})"
-        if kind is bool:
+        if kind is dict:  # a mapping option: one JSON object on the command line
+            g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
+                           help=f"{f.description}{default}")
+        elif kind is bool:
             g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
                            help=f"{f.description}{default}")
         else:  # values are checked by the config's validation, the same as a file's
@@ -191,6 +195,16 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
             g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
                            help=f"{f.description}{default}")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    return value
 
 
 def _scalar_type(annotation: Any) -> type:
@@ -201,7 +215,7 @@ def _scalar_type(annotation: Any) -> type:
         return type(typing.get_args(annotation)[0])
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
+    return typing.get_origin(annotation) or annotation  # dict for dict[str, Any]
 
 
 def load_config(args: argparse.Namespace, model: str | None = None) -> DeploymentConfig:

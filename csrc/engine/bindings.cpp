@@ -111,18 +111,20 @@ void bind_sequence(py::module_ &m) {
 
   py::class_<SequenceLimits>(m, "SequenceLimits")
       .def(py::init([](int max_tokens, int min_tokens, std::vector<int32_t> stop_token_ids, int32_t eos_token_id,
-                       bool ignore_eos, bool read_prefix_cache) {
+                       bool ignore_eos, bool read_prefix_cache, bool allow_drafts) {
              return SequenceLimits{max_tokens,  min_tokens, std::move(stop_token_ids), eos_token_id,
-                                   ignore_eos, read_prefix_cache};
+                                   ignore_eos, read_prefix_cache, allow_drafts};
            }),
            py::arg("max_tokens") = 16, py::arg("min_tokens") = 0, py::arg("stop_token_ids") = std::vector<int32_t>{},
-           py::arg("eos_token_id") = -1, py::arg("ignore_eos") = false, py::arg("read_prefix_cache") = true)
+           py::arg("eos_token_id") = -1, py::arg("ignore_eos") = false, py::arg("read_prefix_cache") = true,
+           py::arg("allow_drafts") = true)
       .def_readwrite("max_tokens", &SequenceLimits::max_tokens)
       .def_readwrite("min_tokens", &SequenceLimits::min_tokens)
       .def_readwrite("stop_token_ids", &SequenceLimits::stop_token_ids)
       .def_readwrite("eos_token_id", &SequenceLimits::eos_token_id)
       .def_readwrite("ignore_eos", &SequenceLimits::ignore_eos)
-      .def_readwrite("read_prefix_cache", &SequenceLimits::read_prefix_cache);
+      .def_readwrite("read_prefix_cache", &SequenceLimits::read_prefix_cache)
+      .def_readwrite("allow_drafts", &SequenceLimits::allow_drafts);
 
   py::class_<SequenceData>(m, "SequenceData")
       .def("get_len", &SequenceData::get_len)
@@ -153,6 +155,7 @@ void bind_sequence(py::module_ &m) {
       .def_readonly("num_pending", &Sequence::num_pending)
       .def_readonly("num_cached_tokens", &Sequence::num_cached_tokens)
       .def_readonly("num_preemptions", &Sequence::num_preemptions)
+      .def_readonly("draft_token_ids", &Sequence::draft_token_ids)
       .def_readonly("block_table", &Sequence::block_table);
 }
 
@@ -253,6 +256,7 @@ void bind_scheduler_output(py::module_ &m) {
                                SO &o = self.cast<SO &>();
                                return view(o.block_tables, self, {o.num_seqs(), o.max_blocks});
                              })
+      .def_property_readonly("num_drafts", [](py::object self) { return view(self.cast<SO &>().num_drafts, self); })
       .def_property_readonly("sample_indices",
                              [](py::object self) { return view(self.cast<SO &>().sample_indices, self); })
       .def_property_readonly("request_ids",
@@ -264,9 +268,11 @@ void bind_scheduler_output(py::module_ &m) {
                              })
       .def_property_readonly("sample_request_ids",
                              [](const SO &o) {
+                               // One per sample row: a sequence with drafts has 1 + k rows.
                                std::vector<std::string> ids;
                                for (size_t i = 0; i < o.seqs.size(); ++i)
-                                 if (o.samples[i]) ids.push_back(o.seqs[i]->request_id);
+                                 if (o.samples[i])
+                                   for (int j = 0; j <= o.num_drafts[i]; ++j) ids.push_back(o.seqs[i]->request_id);
                                return ids;
                              })
       .def("seq_metadata", &build_seq_metadata);
@@ -310,6 +316,19 @@ void bind_scheduler(py::module_ &m) {
       .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("status"),
            "Like abort, with another finished status (a stop string matched outside the scheduler).")
       .def("release_outputs", &Scheduler::release_outputs)
+      .def("draft_candidates", &Scheduler::draft_candidates,
+           "Running sequences that may get drafts for the next step (decode-ready, nothing in flight).")
+      .def("set_drafts", &Scheduler::set_drafts, py::arg("seq"), py::arg("drafts"),
+           "Sets a candidate's draft tokens for the next schedule() (ValueError naming a bad one).")
+      .def(
+          "propose_ngram",
+          [](Scheduler &s, int k, int min_n, int max_n) {
+            if (k < 1 || min_n < 1 || max_n < min_n)
+              throw py::value_error("propose_ngram: needs k >= 1 and 1 <= min_n <= max_n");
+            return s.propose_ngram(k, min_n, max_n);
+          },
+          py::arg("k"), py::arg("min_n"), py::arg("max_n"),
+          "Prompt-lookup drafts for every candidate; returns how many got some.")
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
@@ -344,6 +363,10 @@ void bind_scheduler(py::module_ &m) {
         d["prefix_hit_tokens"] = st.prefix_hit_tokens;
         d["prompt_tokens"] = st.prompt_tokens;
         d["generation_tokens"] = st.generation_tokens;
+        d["spec_decode_num_drafts"] = st.spec_num_drafts;
+        d["spec_decode_num_draft_tokens"] = st.spec_num_draft_tokens;
+        d["spec_decode_num_accepted_tokens"] = st.spec_num_accepted_tokens;
+        d["spec_decode_num_accepted_tokens_per_pos"] = st.spec_accepted_per_pos;
         return d;
       });
 }
@@ -361,6 +384,9 @@ PYBIND11_MODULE(_C, m) {
   bind_outputs(m);
   bind_scheduler_output(m);
   bind_scheduler(m);
+  m.def("ngram_propose", &ngram_propose, py::arg("tokens"), py::arg("k"), py::arg("min_n"), py::arg("max_n"),
+        "Prompt lookup: up to k tokens that followed the latest earlier occurrence of the history's last n\n"
+        "tokens (largest n in [min_n, max_n] first); empty when no suffix recurs.");
   bind_kernels(m);
   bind_packed_kernels(m);
 }

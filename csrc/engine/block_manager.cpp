@@ -89,6 +89,16 @@ bool BlockManager::allocate_up_to(Sequence &seq, int num_positions) {
   return true;
 }
 
+void BlockManager::trim(Sequence &seq, int num_positions) {
+  size_t keep = static_cast<size_t>((std::max(num_positions, 0) + block_size_ - 1) / block_size_);
+  while (seq.block_table.size() > keep) {
+    int b = seq.block_table.back();
+    seq.block_table.pop_back();
+    // Never a hashed block: only full blocks of accepted tokens are keyed, and those are kept.
+    if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
+  }
+}
+
 void BlockManager::register_full_blocks(Sequence &seq) {
   if (!prefix_caching_) return;
   const auto &tokens = seq.data.get_token_ids();

@@ -33,6 +33,8 @@ class BlockManager {
   // Grows `seq`'s block table to cover `num_positions`; false (nothing taken) if short of blocks.
   bool allocate_up_to(Sequence &seq, int num_positions);
   int blocks_needed(const Sequence &seq, int num_positions) const;
+  // Gives back the blocks past the first `num_positions` positions (rejected draft slots).
+  void trim(Sequence &seq, int num_positions);
   // Keys the sequence's newly full, processed blocks in the prefix cache.
   void register_full_blocks(Sequence &seq);
   // Drops the sequence's hold on its blocks; cached ones stay reusable until evicted.

@@ -64,6 +64,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   if (!schedule_prefills(*out)) schedule_decodes(*out);
   drop_finished();
   finalize_batch(*out);
+  clear_drafts();  // drafts are for this step only
   return out;
 }
 
@@ -73,6 +74,7 @@ void Scheduler::reserve_batch(SchedulerOutput &out) const {
   for (auto *v : {&out.seq_ids, &out.input_ids, &out.positions, &out.slot_mapping, &out.sample_indices})
     v->reserve(s);
   for (auto *v : {&out.input_from_prev, &out.query_start_loc, &out.seq_lens}) v->reserve(s);
+  out.num_drafts.reserve(s);
   out.seqs.reserve(s);
   out.epochs.reserve(s);
   out.samples.reserve(s);
@@ -151,9 +153,11 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
   return admitted;
 }
 
-// A decode batch: one token for every running sequence; when a block is short, preempt
-// the most recently admitted running sequence (possibly this one) by recompute. A sequence
-// alone always finds room: it never grows past max_seq_len_, which the whole cache holds.
+// A decode batch: one token for every running sequence, plus its draft tokens when it has
+// some (speculative decoding: KV slots for all 1 + k are reserved). When a block is short,
+// the drafts go first; then preempt the most recently admitted running sequence (possibly
+// this one) by recompute. A sequence alone always finds room: it never grows past
+// max_seq_len_, which the whole cache holds.
 void Scheduler::schedule_decodes(SchedulerOutput &out) {
   int budget = config_.max_num_batched_tokens;
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
@@ -162,7 +166,9 @@ void Scheduler::schedule_decodes(SchedulerOutput &out) {
         !can_feed_inflight(*seq))
       continue;
     bool scheduled = true;
-    while (!blocks_.allocate_up_to(*seq, seq->num_computed + 1)) {
+    int k = usable_drafts(*seq, budget);
+    if (k > 0 && !blocks_.allocate_up_to(*seq, seq->num_computed + 1 + k)) k = 0;
+    while (!blocks_.allocate_up_to(*seq, seq->num_computed + 1 + k)) {
       auto victim = running_.back();
       running_.pop_back();
       preempt(victim);
@@ -172,8 +178,8 @@ void Scheduler::schedule_decodes(SchedulerOutput &out) {
       }
     }
     if (!scheduled) continue;
-    add_to_batch(out, seq, 1);
-    --budget;
+    add_to_batch(out, seq, 1, k);
+    budget -= 1 + k;
   }
 }
 
@@ -193,7 +199,9 @@ void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
   waiting_.push_front(seq);
 }
 
-void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens) {
+// `num_drafts` of the sequence's draft tokens follow its last token (a decode step only).
+void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens,
+                             int num_drafts) {
   const int bs = config_.block_size;
   const auto &tokens = seq->data.get_token_ids();
   const int len = seq->data.get_len();
@@ -214,21 +222,33 @@ void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequenc
     out.positions.push_back(p);
     out.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[p / bs]) * bs + p % bs);
   }
+  for (int j = 0; j < num_drafts; ++j) {
+    int p = start + num_tokens + j;
+    out.input_ids.push_back(seq->draft_token_ids[j]);
+    out.input_from_prev.push_back(-1);
+    out.positions.push_back(p);
+    out.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[p / bs]) * bs + p % bs);
+  }
+  num_tokens += num_drafts;
   seq->num_computed += num_tokens;
   out.seqs.push_back(seq);
   out.epochs.push_back(seq->epoch);
   out.seq_ids.push_back(seq->seq_id);
   out.query_start_loc.push_back(out.query_start_loc.back() + num_tokens);
   out.seq_lens.push_back(seq->num_computed);
-  bool sample = seq->num_computed == seq->total_len();
+  bool sample = seq->num_computed - num_drafts == seq->total_len();
   out.samples.push_back(sample);
+  out.num_drafts.push_back(num_drafts);
   if (sample) {
     int row = static_cast<int>(out.sample_indices.size());
-    out.sample_indices.push_back(static_cast<int64_t>(out.positions.size()) - 1);
+    for (int j = num_drafts; j >= 0; --j)
+      out.sample_indices.push_back(static_cast<int64_t>(out.positions.size()) - 1 - j);
     out.sample_rows.push_back(row);
     ++seq->num_pending;
     seq->last_sample_row = row;
-    seq->last_sample_step = out.step_id;
+    // A speculative step's tokens cannot be fed from the device (how many are accepted is
+    // known only on the host): its sequence waits until the step is processed.
+    seq->last_sample_step = num_drafts > 0 ? -1 : out.step_id;
   } else {
     out.sample_rows.push_back(-1);
   }
@@ -260,30 +280,37 @@ StepOutputs Scheduler::process_outputs(const SchedulerOutput &out, const int64_t
       blocks_.register_full_blocks(seq);
     }
     if (!out.samples[i]) continue;
+    if (out.num_drafts[i] > 0) {
+      process_spec_seq(out, i, tokens, logprobs);
+      continue;
+    }
     int row = out.sample_rows[i];
     auto token = static_cast<int32_t>(tokens[row]);
     --seq.num_pending;
     seq.data.append_token_id(token);
     ++stats_.generation_tokens;
-    bool stopped = check_stop(seq, token);
-
-    RequestOutputData &o = pool_->at(pool_->acquire());
-    o.request_id = seq.request_id;
-    o.seq_id = seq.seq_id;
-    o.token_ids.push_back(token);
-    o.finished = stopped;
-    o.status = stopped ? seq.status : SequenceStatus::RUNNING;
-    o.prompt_len = seq.data.get_prompt_len();
-    o.output_len = seq.data.get_output_len();
-    o.sample_row = row;
-    if (logprobs) {
-      o.logprob = logprobs[row];
-      o.has_logprob = true;
-    }
-    if (stopped) finish(seq, seq.status);
+    emit_output(seq, token, row, logprobs, check_stop(seq, token));
   }
   drop_finished();
   return StepOutputs(pool_, begin, pool_->size());
+}
+
+// One pooled output for a token just appended; finishes the sequence when it stopped.
+void Scheduler::emit_output(Sequence &seq, int32_t token, int row, const float *logprobs, bool stopped) {
+  RequestOutputData &o = pool_->at(pool_->acquire());
+  o.request_id = seq.request_id;
+  o.seq_id = seq.seq_id;
+  o.token_ids.push_back(token);
+  o.finished = stopped;
+  o.status = stopped ? seq.status : SequenceStatus::RUNNING;
+  o.prompt_len = seq.data.get_prompt_len();
+  o.output_len = seq.data.get_output_len();
+  o.sample_row = row;
+  if (logprobs) {
+    o.logprob = logprobs[row];
+    o.has_logprob = true;
+  }
+  if (stopped) finish(seq, seq.status);
 }
 
 // Sets the finished status and returns true when `token` ends the sequence.

@@ -36,7 +36,10 @@ struct SchedulerOutput {
   std::vector<std::shared_ptr<Sequence>> seqs;
   std::vector<int> epochs;     // per sequence, at schedule time
   std::vector<char> samples;   // per sequence: does this step sample a token for it
-  std::vector<int> sample_rows;  // per sequence: its row in the sampled tokens, or -1
+  std::vector<int> sample_rows;  // per sequence: its (first) row in the sampled tokens, or -1
+  // per sequence: draft tokens fed after its last token (speculative decoding). Such a
+  // sequence samples 1 + num_drafts rows from sample_rows[i] on, one per fed position.
+  std::vector<int> num_drafts;
 
   std::vector<int64_t> seq_ids;          // [S]
   std::vector<int64_t> input_ids;        // [T]; -1 where the token is still in flight
@@ -80,7 +83,18 @@ struct SchedulerStats {
   int64_t prefix_hit_tokens = 0;    // of which served from it
   int64_t prompt_tokens = 0;        // prompt positions computed
   int64_t generation_tokens = 0;    // tokens appended by post-processing
+  // Speculative decoding, as vLLM counts it: verified draft runs, their tokens, the drafts
+  // the target agreed with, and of those how many at each draft position (0 = first).
+  int64_t spec_num_drafts = 0;
+  int64_t spec_num_draft_tokens = 0;
+  int64_t spec_num_accepted_tokens = 0;
+  std::vector<int64_t> spec_accepted_per_pos;
 };
+
+// Prompt lookup (n-gram speculation): the tokens that followed the latest earlier
+// occurrence of the history's last n tokens, for the largest n in [min_n, max_n] that
+// occurs; at most k of them; empty when no suffix recurs.
+std::vector<int32_t> ngram_propose(const std::vector<int32_t> &tokens, int k, int min_n, int max_n);
 
 class Scheduler {
  public:
@@ -102,6 +116,15 @@ class Scheduler {
   std::optional<RequestOutput> abort(const std::string &request_id);
   std::optional<RequestOutput> finish_request(const std::string &request_id, SequenceStatus status);
   void release_outputs() { pool_->release_all(); }
+
+  // Speculative decoding (csrc/engine/scheduler_spec.cpp). Drafts are set between steps and
+  // used by the next schedule() only; it drops those it cannot use.
+  // Running sequences that may get drafts now: decode-ready, nothing in flight, drafting allowed.
+  std::vector<std::shared_ptr<Sequence>> draft_candidates() const;
+  // Checks and sets the drafts of a candidate (std::invalid_argument naming what is wrong).
+  void set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int32_t> drafts);
+  // Prompt lookup for every candidate; returns how many got drafts.
+  int propose_ngram(int k, int min_n, int max_n);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -126,7 +149,11 @@ class Scheduler {
   void schedule_decodes(SchedulerOutput &out);
   bool admit_waiting(SchedulerOutput &out, int &budget);
   void preempt(const std::shared_ptr<Sequence> &seq);
-  void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens);
+  void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens, int num_drafts = 0);
+  int usable_drafts(const Sequence &seq, int budget) const;
+  void clear_drafts();
+  void process_spec_seq(const SchedulerOutput &out, size_t i, const int64_t *tokens, const float *logprobs);
+  void emit_output(Sequence &seq, int32_t token, int row, const float *logprobs, bool stopped);
   void finalize_batch(SchedulerOutput &out);
   void finish(Sequence &seq, SequenceStatus status);
   bool check_stop(Sequence &seq, int32_t token) const;

@@ -29,6 +29,9 @@ struct SequenceLimits {
   int32_t eos_token_id = -1;
   bool ignore_eos = false;
   bool read_prefix_cache = true;  // false: recompute a cached prefix (prompt logprobs need it)
+  // Speculative decoding may draft for it: only requests whose rows sample alike at every
+  // position (plain greedy), so that verification is token-identical to decoding one by one.
+  bool allow_drafts = true;
 };
 
 class SequenceData {
@@ -78,6 +81,10 @@ class Sequence {
   int num_cached_tokens = 0;    // prompt positions reused from the prefix cache
   int epoch = 0;                // bumped on preemption; stale in-flight work won't advance boundaries
   int num_preemptions = 0;
+
+  // Draft tokens to verify after the last token in the next decode step (speculative
+  // decoding); set by a proposer before schedule(), consumed or dropped by it.
+  std::vector<int32_t> draft_token_ids;
 
   std::vector<int32_t> block_table;
   int num_hashed_blocks = 0;    // leading full blocks already keyed in the prefix cache

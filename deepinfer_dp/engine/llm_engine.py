@@ -32,6 +32,7 @@ from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import load_model, max_context_len
 from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.spec_decode import speculator
 from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, num_kv_blocks_for
 from deepinfer_dp.worker.worker import StepState, Worker
 
@@ -72,6 +73,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
         self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
+        self.speculator = speculator.for_engine(config.speculative_config, self.worker.runner)
         # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.
         self.lockstep: Lockstep | None = None
         self.requests: dict[str, RequestState] = {}
@@ -104,7 +106,8 @@ class LLMEngine:
         _check_fits(request_id, len(ids), params.max_tokens, self.scheduler.max_seq_len)
         limits = _C.SequenceLimits(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                                    stop_token_ids=stop_ids, eos_token_id=-1 if eos is None else eos,
-                                   ignore_eos=params.ignore_eos, read_prefix_cache=params.prompt_logprobs is None)
+                                   ignore_eos=params.ignore_eos, read_prefix_cache=params.prompt_logprobs is None,
+                                   allow_drafts=speculator.may_draft(params))
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)
         state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
@@ -138,11 +141,13 @@ class LLMEngine:
 
     def step(self) -> list:
         self._drop_finished_states()
+        # Drafting (speculative decoding) needs the accepted tokens, so such a step is not deferred.
+        speculating = self.speculator is not None and self.speculator.before_schedule(self.scheduler)
         sched_out = self.scheduler.schedule()  # also releases the previous step's outputs
         if sched_out.is_empty():
             self.placeholder_steps += 1
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
-        outputs = self.worker.execute_model_step(sched_out, self, spec)
+        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating)
         self.generate_step += 1
         return outputs
 
@@ -196,7 +201,11 @@ class LLMEngine:
         if state.prompt_logprobs is not None:
             prompt_logprobs.absorb(state.prompt_logprobs, self._prompt_logprobs)
         outputs = list(step_outputs)
+        stopped: set[str] = set()  # several outputs per request under speculation: none after a stop
         for i, out in enumerate(outputs):
+            if out.request_id in stopped:
+                outputs[i] = None
+                continue
             pl = self._prompt_logprobs.get(out.request_id)
             if pl is not None and not pl.delivered:  # a request's first output carries them
                 outputs[i] = out = out.with_prompt_logprobs(pl.logprobs, pl.top_ids, pl.top_logprobs)
@@ -207,7 +216,8 @@ class LLMEngine:
                 outputs[i] = out = self._fail_request(out, e)
             if out.finished:
                 self._finished.append(out.request_id)
-        return outputs
+                stopped.add(out.request_id)
+        return [o for o in outputs if o is not None] if stopped else outputs
 
     def _check_stop_strings(self, out):
         req = self.requests.get(out.request_id)
@@ -244,7 +254,7 @@ class LLMEngine:
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
                 "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
-                "forward_time_s": self.worker.runner.forward_time_s, **s.stats}
+                "forward_time_s": self.worker.runner.forward_time_s, **speculator.stats(s.stats, self.speculator)}
 
     def shutdown(self) -> None:
         """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""

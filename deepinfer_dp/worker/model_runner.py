@@ -86,6 +86,8 @@ class ModelRunner:
             replace_linears(self.model)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft padding).
+        self.placeholder_tokens = 1
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -99,7 +101,9 @@ class ModelRunner:
         seq_lens = out.seq_lens
         query_lens = np.diff(qsl)
         md = AttentionMetadata(
-            is_prefill=out.is_prompt,
+            # several query tokens per sequence (a decode step with drafts) take the prefill
+            # path, which attends causally over cached context
+            is_prefill=out.is_prompt or int(query_lens.max()) > 1,
             slot_mapping=self._tensor(out.slot_mapping),
             block_tables=self._tensor(out.block_tables),
             query_start_loc=self._tensor(qsl),
@@ -113,21 +117,23 @@ class ModelRunner:
                           self._tensor(out.sample_indices), inflight_src)
 
     def placeholder_input(self) -> ModelInput:
-        """One dummy token at position 0 in the reserved block 0: the same forward pass as a
-        real step, so collectives inside the model match across DP ranks."""
-        one = torch.zeros(1, dtype=torch.int64, device=self.device)
+        """Dummy tokens at positions 0.. in the reserved block 0 (one, or 1 + K with draft
+        padding): the same forward pass as a real step, so collectives inside the model
+        match across DP ranks."""
+        n = self.placeholder_tokens
+        pos = torch.arange(n, dtype=torch.int64, device=self.device)
         md = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=one.clone(),
+            slot_mapping=pos.clone(),
             block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device),
-            query_lens_host=[1],
-            seq_lens_host=[1],
-            max_query_len=1,
-            max_seq_len=1,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.full((1,), n, dtype=torch.int32, device=self.device),
+            query_lens_host=[n],
+            seq_lens_host=[n],
+            max_query_len=n,
+            max_seq_len=n,
         )
-        return ModelInput(one, one.clone(), md, None)
+        return ModelInput(torch.zeros(n, dtype=torch.int64, device=self.device), pos, md, None)
 
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""

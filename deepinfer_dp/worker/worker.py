@@ -89,7 +89,8 @@ class Worker:
         self.device_busy_s = 0.0
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
-                           prompt_logprobs: PromptLogprobsSpec | None = None) -> list:
+                           prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True) -> list:
+        """`defer=False` post-processes even a ZOS decode step in place (speculative steps)."""
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
@@ -110,7 +111,7 @@ class Worker:
         curr = StepState(sched_out, self._on_device(self._sample, logits, batch),
                          prompt_logprobs=model_input.prompt_logprobs)
         # 4. Post-process current step, now or (ZOS decode) during the next step
-        if sched_out.is_prompt or placeholder or not self.zos:
+        if sched_out.is_prompt or placeholder or not self.zos or not defer:
             outputs.extend(self._post_process_step(curr, host))
         else:
             self._stage_to_host(curr)

@@ -1,0 +1,59 @@
+"""`speculative_config`: vLLM's keys, checked once when the engine config is built."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Measured with benchmarks/spec_decode.py on this project's CPU machines (README,
+# "Speculative decoding"): above this many running requests verification costs more than
+# n-gram drafts save, so speculation turns itself off (vLLM's disable_by_batch_size).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: Literal["ngram"] = Field(description="ngram: prompt lookup, drafts from the sequence's own history")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens verified per step (K)")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (tried first)")
+    disable_by_batch_size: int | None = Field(
+        DEFAULT_DISABLE_BY_BATCH_SIZE, ge=1,
+        description="no drafting while more requests than this are running (None: never off)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unbuilt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("method") in ("draft_model", "mtp", "eagle"):
+            raise ValueError(f"method: {data['method']!r} is not available yet; use 'ngram'")
+        return data
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min: must be <= prompt_lookup_max={self.prompt_lookup_max} "
+                             f"(got {self.prompt_lookup_min})")
+        return self
+
+
+def parse_speculative_config(value: dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The checked config, or ValueError with one line per problem naming the key."""
+    if value is None:
+        return None
+    try:
+        return SpeculativeConfig(**value)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "speculative_config"
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(msg if not err["loc"] and ":" in msg else f"{key}: {msg}")
+        raise ValueError("; ".join(problems)) from None
+
+
+def check_speculative_config(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """EngineConfig's validator: the dict with every default filled in, or ValueError."""
+    parsed = parse_speculative_config(value)
+    return None if parsed is None else parsed.model_dump()

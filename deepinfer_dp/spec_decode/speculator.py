@@ -1,0 +1,84 @@
+"""The engine's speculative decoding: decides per step whether to draft, drafts, and
+reports the counters.
+
+Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
+- above `disable_by_batch_size` running requests, no drafts: the step is an ordinary
+  decode step, deferred by ZOS as usual;
+- otherwise the proposer sets drafts and the step is not deferred: the next step's drafts
+  need this step's accepted tokens on the host, and how many are accepted is known only
+  after verification. (A sequence whose token is still in flight from a deferred step gets
+  no drafts; one undeferred step later it has them.)
+Lockstep is unchanged: a speculative step is one engine step, and the placeholder step
+feeds 1 + K dummy tokens (draft padding), so its shapes match a speculative step's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer_dp import _C
+from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.spec_steps = 0  # steps that drafted (auto-off and prefill steps are not counted)
+
+    def before_schedule(self, scheduler: _C.Scheduler) -> bool:
+        """Drafts for the next step unless the batch is too large; True when speculating
+        (the step must then be post-processed in place, not deferred)."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and scheduler.num_running > limit:
+            return False
+        self.proposer.propose(scheduler, self.k)
+        self.spec_steps += 1
+        return True
+
+    @staticmethod
+    def stats(scheduler_stats: dict[str, Any]) -> dict[str, Any]:
+        """Derived rates, as vLLM reports them, from the scheduler's counters."""
+        drafts = scheduler_stats["spec_decode_num_drafts"]
+        draft_tokens = scheduler_stats["spec_decode_num_draft_tokens"]
+        accepted = scheduler_stats["spec_decode_num_accepted_tokens"]
+        per_pos = scheduler_stats["spec_decode_num_accepted_tokens_per_pos"]
+        return {
+            "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            # tokens a verified sequence gains per step: its accepted drafts plus the target's own
+            "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else None,
+            "spec_decode_acceptance_rate_per_pos": [n / drafts for n in per_pos] if drafts else [],
+        }
+
+
+def for_engine(value: dict[str, Any] | None, runner: Any) -> Speculator | None:
+    """The engine's speculator (None when speculation is off); gives the runner's
+    placeholder step its draft padding."""
+    config = parse_speculative_config(value)
+    if config is None:
+        return None
+    if config.num_speculative_tokens + 1 > runner.block_size:
+        raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {config.num_speculative_tokens + 1} "
+                         f"must fit one KV block (block_size={runner.block_size}): the placeholder step's "
+                         "draft padding lives in the reserved block 0")
+    runner.placeholder_tokens = 1 + config.num_speculative_tokens
+    return Speculator(config)
+
+
+def may_draft(params: SamplingParams) -> bool:
+    """Requests whose every row is plain greedy: verifying them in one pass is then
+    token-identical to decoding them one by one. Others (sampling, logprobs, penalties,
+    min_tokens, logit_bias) decode as usual in the same batch; rejection sampling for
+    temperature > 0 is not implemented yet."""
+    return (params.is_greedy and params.logprobs is None and not params.needs_history and params.min_tokens == 0
+            and not params.logit_bias)
+
+
+def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dict[str, Any]:
+    """The scheduler's counters plus, under speculation, the derived rates."""
+    if speculator is None:
+        return dict(scheduler_stats)
+    return {**scheduler_stats, **Speculator.stats(scheduler_stats), "spec_decode_steps": speculator.spec_steps}
