@@ -41,7 +41,13 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
      "CPU: time the rank's compute thread spent in forward passes and sampling."),
     ("requests_failed", "counter", "requests_failed",
      "Requests finished with an error inside the engine; the engine kept serving the others."),
+    # speculative decoding, as vLLM names it (zero when it is off)
+    ("spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Draft runs verified (one per sequence and step)."),
+    ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
+     "Draft tokens the target model agreed with."),
 ]
+PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0 = first).")
 
 
 class RankStatsCollector(Collector):
@@ -59,6 +65,12 @@ class RankStatsCollector(Collector):
                 if rank.get(key) is not None:  # a rank that does not report a value has no series
                     family.add_metric([str(rank.get("dp_rank", 0))], float(rank[key]))
             yield family
+        name, doc = PER_POSITION
+        per_pos = CounterMetricFamily(PREFIX + name, doc, labels=["dp_rank", "position"])
+        for rank in stats:
+            for pos, n in enumerate(rank.get(name) or []):
+                per_pos.add_metric([str(rank.get("dp_rank", 0)), str(pos)], float(n))
+        yield per_pos
         up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers health checks, else 0.",
                                labels=["dp_rank"])
         for rank in self.client.health():

@@ -1,0 +1,141 @@
+"""Speculative decoding: tokens/s with speculation off, n-gram with the auto-off, and n-gram
+always on (to find the batch size where it stops paying), on SmolLM2.
+
+Two workloads, greedy, chat template applied:
+- repetition: rewrite / repeat a given passage, edit a given piece of code (EOS live:
+  the model ends when it is done, the same tokens on every side);
+- ordinary: the offline-throughput prompts ("Write a short story about a robot number
+  {i}."), exactly --max-tokens each (EOS ignored).
+At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: two
+requests one after the other). Each side runs in its own subprocess (no idle
+engine's threads beside it), the sides alternating round by round (this machine's speed
+drifts over minutes), and the best round of each side gives tokens/s; the ratio is against
+"off" at the same point. The script checks that every
+side produced the same tokens, and prints the mean accepted length.
+
+    python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3] [--max-tokens 96]
+        [--workloads repetition ordinary] [--sides off ngram ngram_always]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+PASSAGE = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He polished the great lens, "
+           "trimmed the wick, and wrote the weather in his logbook before the first ship passed the rocks.")
+CODE = ("def total_price(items):\n    total = 0\n    for item in items:\n        total = total + item.price * "
+        "item.quantity\n    return total\n")
+REPETITION = [
+    f"Rewrite this passage word for word, then once more in capital letters:\n\n{PASSAGE}",
+    f"Rename the function to compute_total and add a docstring. Return the whole code:\n\n{CODE}",
+    f"Summarise this passage in two sentences, reusing its words:\n\n{PASSAGE}",
+    f"Add type hints to this code and return all of it:\n\n{CODE}",
+    f"Repeat the following text exactly twice:\n\n{PASSAGE}",
+    f"Rewrite this code with a while loop instead of the for loop, keeping everything else:\n\n{CODE}",
+]
+ORDINARY = "Write a short story about a robot number {i}."
+
+
+def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
+    texts = ([REPETITION[i % len(REPETITION)] for i in range(n)] if workload == "repetition"
+             else [ORDINARY.format(i=i) for i in range(n)])
+    convs = [[{"role": "user", "content": t}] for t in texts]
+    chat = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in chat]
+
+
+def build(side: str, k: int):
+    from deepinfer_dp import LLM
+
+    spec = None
+    if side != "off":
+        spec = {"method": "ngram", "num_speculative_tokens": k}
+        if side == "ngram_always":
+            spec["disable_by_batch_size"] = None
+    return LLM(decode_sequence=False, speculative_config=spec, kv_cache_memory_gb=0.5, max_model_len=1024)
+
+
+def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, list, dict]:
+    before = llm.rank_stats()[0]
+    groups = [ids[:1], ids[1:2]] if batch == 1 else [ids]
+    start = time.perf_counter()
+    outs = []
+    for g in groups:
+        outs += llm.generate(prompt_token_ids=g, sampling_params=params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = llm.rank_stats()[0]
+    tokens = [[t for o in r for t in o.token_ids] for r in outs]
+    delta = {key: after[key] - before[key] for key in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens")
+             if key in after}
+    return sum(len(t) for t in tokens) / wall, tokens, delta
+
+
+def run_side(args: argparse.Namespace) -> dict:
+    """One side, every point: what its subprocess prints as one JSON line."""
+    from deepinfer_dp import SamplingParams
+
+    llm = build(args.side, args.k)
+    tok = llm.get_tokenizer()
+    points = {}
+    for workload in args.workloads:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=workload == "ordinary")
+        for batch in args.batches:
+            tok_s, tokens, delta = run_point(llm, prompts(tok, workload, max(batch, 2)), batch, params)
+            drafts = delta.get("spec_decode_num_drafts", 0)
+            points[f"{workload}/{batch}"] = {
+                "tok_s": tok_s, "tokens": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
+                "accepted_len": 1 + delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None}
+    return points
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workloads", nargs="+", default=["repetition", "ordinary"])
+    ap.add_argument("--sides", nargs="+", default=["off", "ngram", "ngram_always"])
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
+    args = ap.parse_args()
+    if args.side:
+        print(json.dumps(run_side(args)))
+        return
+    best: dict[tuple, dict] = {}
+    for r in range(args.rounds):
+        for side in args.sides:  # each side in its own process: no idle engine's threads around
+            cmd = [sys.executable, __file__, "--side", side, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+                   "--batches", *map(str, args.batches), "--workloads", *args.workloads]
+            points = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            for point, v in points.items():
+                print(json.dumps({"round": r, "side": side, "point": point, "tok_s": round(v["tok_s"], 2),
+                                  "accepted_len": v["accepted_len"]}), flush=True)
+                if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
+                    best[(point, side)] = v
+    report(args, best)
+
+
+def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
+    print(f"\nbest of {args.rounds} rounds, K={args.k}: tokens/s, ratio against off, [mean accepted length]")
+    print(f"{'point':<16}" + "".join(f"{s:>26}" for s in args.sides))
+    for workload in args.workloads:
+        for batch in args.batches:
+            point = f"{workload}/{batch}"
+            base = best[(point, args.sides[0])]
+            cells = []
+            for side in args.sides:
+                v = best[(point, side)]
+                if v["tokens"] != base["tokens"]:
+                    raise SystemExit(f"{side} produced other tokens than {args.sides[0]} at {point}")
+                acc = f" [{v['accepted_len']:.2f}]" if v["accepted_len"] else ""
+                cells.append(f"{v['tok_s']:8.1f} {v['tok_s'] / base['tok_s']:.2f}x{acc}")
+            print(f"{point:<16}" + "".join(f"{c:>26}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The speculative-decoding counters in Prometheus: vLLM's names, a dp_rank label, and the
+accepted tokens by draft position with a position label."""
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from deepinfer_dp.metrics.rank_collector import RankStatsCollector
+
+
+class FakeClient:
+    def rank_stats(self) -> list[dict]:
+        return [{"dp_rank": 0, "spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30,
+                 "spec_decode_num_accepted_tokens": 17, "spec_decode_num_accepted_tokens_per_pos": [9, 5, 3]},
+                {"dp_rank": 1, "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                 "spec_decode_num_accepted_tokens": 0, "spec_decode_num_accepted_tokens_per_pos": []}]
+
+    def health(self) -> list[dict]:
+        return [{"dp_rank": 0, "up": True}, {"dp_rank": 1, "up": True}]
+
+
+def test_spec_decode_counters_are_exported():
+    registry = CollectorRegistry()
+    registry.register(RankStatsCollector(FakeClient()))
+    text = generate_latest(registry).decode()
+    assert 'deepinfer:spec_decode_num_drafts_total{dp_rank="0"} 10.0' in text
+    assert 'deepinfer:spec_decode_num_draft_tokens_total{dp_rank="1"} 0.0' in text
+    assert 'deepinfer:spec_decode_num_accepted_tokens_total{dp_rank="0"} 17.0' in text
+    assert 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{dp_rank="0",position="2"} 3.0' in text
+    assert 'position="0"} 9.0' in text and 'dp_rank="1",position' not in text
