@@ -14,7 +14,7 @@ drifts over minutes), and the best round of each side gives tokens/s; the ratio 
 side produced the same tokens, and prints the mean accepted length.
 
     python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3] [--max-tokens 96]
-        [--workloads repetition ordinary] [--sides off ngram ngram_always]
+        [--workloads repetition ordinary] [--sides off ngram ngram_always] (also: off_nozos)
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def build(side: str, k: int):
     from deepinfer_dp import LLM
 
     spec = None
+    if side == "off_nozos":  # what giving up the ZOS deferral alone costs (speculative steps are not deferred)
+        return LLM(decode_sequence=False, zos=False, kv_cache_memory_gb=0.5, max_model_len=1024)
     if side != "off":
         spec = {"method": "ngram", "num_speculative_tokens": k}
         if side == "ngram_always":
