@@ -4,9 +4,11 @@
 // A sequence with k drafts feeds 1 + k positions and samples one row per position: row j is
 // the target's token after draft j - 1. Post-processing appends row 0, then row j + 1 while
 // row j equals draft j (the target agreed with it), so the appended tokens are the accepted
-// drafts plus the target's next token. That is greedy verification as it stands; a sampler
-// doing rejection sampling writes the same rows (an accepted draft as itself, then a
-// correction token that differs from the rejected draft), so this loop serves both. Each
+// drafts plus the target's next token. That is greedy verification; under sampling, with a
+// draft that is one fixed token, each row drawn from the target's distribution makes it
+// rejection sampling (deepinfer_dp/spec_decode/speculator.py, may_draft), and a sampler for
+// a draft distribution writes the same rows (an accepted draft as itself, then a correction
+// token that differs from it), so this loop serves all of them. Each
 // appended token passes the stop rules and gets its own output: a run crossing a stop is cut
 // exactly there. The slots of rejected drafts are rolled back (their blocks given back), so
 // the prefix cache and the next step only ever see accepted tokens.

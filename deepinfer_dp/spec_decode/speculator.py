@@ -69,12 +69,19 @@ def for_engine(value: dict[str, Any] | None, runner: Any) -> Speculator | None:
 
 
 def may_draft(params: SamplingParams) -> bool:
-    """Requests whose every row is plain greedy: verifying them in one pass is then
-    token-identical to decoding them one by one. Others (sampling, logprobs, penalties,
-    min_tokens, logit_bias) decode as usual in the same batch; rejection sampling for
-    temperature > 0 is not implemented yet."""
-    return (params.is_greedy and params.logprobs is None and not params.needs_history and params.min_tokens == 0
-            and not params.logit_bias)
+    """Requests whose sampling does not depend on their own history, so row j of a
+    verification (the target after draft j - 1) is exactly the distribution a step without
+    speculation would sample from at that position. Penalties and min_tokens depend on
+    the tokens before, which in a verification include unverified drafts: such requests
+    decode one token per step in the same batch.
+
+    Under sampling, each row draws its token from the target's distribution, and the
+    scheduler accepts draft j when row j drew it. For a draft that is one fixed token
+    (n-gram, and any deterministic proposer) this IS rejection sampling, lossless: draft j
+    is kept with probability p_j(draft), and on rejection the row's token is a draw from
+    p_j restricted to the other tokens, renormalised. A proposer with its own draft
+    distribution q (a draft model sampling) needs the general min(1, p/q) test instead."""
+    return not params.needs_history and params.min_tokens == 0
 
 
 def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dict[str, Any]:

@@ -114,18 +114,24 @@ def test_preempted_runs_identical(tiny_model_dir, prompts):
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_sampled_and_logprob_requests_decode_beside_drafted_ones(tiny_model_dir, off, prompts):
+def test_logprobs_identical_and_seeded_sampling_reproducible(tiny_model_dir, off, prompts):
     on = LLM(tiny_model_dir, decode_sequence=False, speculative_config=ngram(3))
     greedy = SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY)
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
     with_lp = SamplingParams(max_tokens=24, logprobs=2, ignore_eos=True, **GREEDY)
-    params = [greedy, seeded, with_lp] * 2 + [greedy]
+    penalised = SamplingParams(max_tokens=24, repetition_penalty=1.3, ignore_eos=True, **GREEDY)  # never drafts
+    params = [greedy, seeded, with_lp, penalised] * 2
+    params = params[: len(prompts)]
     got = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     want = off.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert token_ids(got) == token_ids(want)
-    lp = [o.logprob for r in got[2::3] for o in r]
+    not_seeded = [i for i, p in enumerate(params) if p is not seeded]
+    assert [token_ids(got)[i] for i in not_seeded] == [token_ids(want)[i] for i in not_seeded]
+    lp = [o.logprob for r in got[2::4] for o in r]
     # (batch shapes differ with drafts in it: the same values up to float summation order)
-    assert lp == pytest.approx([o.logprob for r in want[2::3] for o in r], abs=1e-4) and None not in lp
+    assert lp == pytest.approx([o.logprob for r in want[2::4] for o in r], abs=1e-4) and None not in lp
+    assert [len(o.top_logprobs[0]) for r in got[2::4] for o in r] == [2] * len(lp)
+    again = on.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(again) == token_ids(got)  # the same seed, the same tokens, with speculation on
     assert accepted(on) > 0
 
 
