@@ -1,0 +1,40 @@
+"""`speculative_config` reaches the engine the three ways every option does: a keyword of
+LLM / EngineConfig, a YAML key, and a flag (a JSON object on the command line)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import ConfigError, add_config_args, load_config, load_config_file
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flag_yaml_and_keyword_agree(tmp_path):
+    want = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "disable_by_batch_size": 8}
+    flag = load_config(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
+    path = tmp_path / "spec.yaml"
+    path.write_text("speculative_config: {method: ngram, num_speculative_tokens: 3}\n")
+    assert flag.engine_config().speculative_config == want
+    assert load_config_file(path).engine_config().speculative_config == want
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).speculative_config == want
+    assert EngineConfig().speculative_config is None
+
+
+def test_bad_values_name_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("speculative_config: {method: ngram, num_speculative_tokens: 99}\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*num_speculative_tokens"):
+        load_config_file(path)
+    with pytest.raises(SystemExit):  # argparse: not JSON / not an object
+        parse("--speculative-config", "{method: ngram")
+    with pytest.raises(SystemExit):
+        parse("--speculative-config", "[1, 2]")
