@@ -144,6 +144,18 @@ def test_auto_off_above_the_batch_size(tiny_model_dir, prompts):
     assert on.rank_stats()[0]["spec_decode_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("zos", [True, False])
+def test_batch_shrinking_across_the_auto_off_threshold(tiny_model_dir, prompts, zos):
+    """ZOS-deferred steps above the threshold, speculative ones below it, in one run."""
+    params = [SamplingParams(max_tokens=6 + 6 * i, ignore_eos=True, **GREEDY) for i in range(len(prompts))]
+    off = LLM(tiny_model_dir, decode_sequence=False, zos=zos)
+    on = LLM(tiny_model_dir, decode_sequence=False, zos=zos, speculative_config=ngram(3, disable_by_batch_size=3))
+    assert run(on, prompts, params) == run(off, prompts, params)
+    stats = on.rank_stats()[0]
+    assert 0 < stats["spec_decode_steps"] < stats["generate_step"]
+    assert stats["spec_decode_num_drafts"] > 0
+
+
 def test_placeholder_step_carries_draft_padding(tiny_model_dir):
     on = LLM(tiny_model_dir, speculative_config=ngram(5))
     inp = on.llm_engine.worker.runner.placeholder_input()
