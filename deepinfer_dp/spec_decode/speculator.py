@@ -27,7 +27,7 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.spec_steps = 0  # steps that drafted (auto-off and prefill steps are not counted)
+        self.spec_steps = 0  # steps with speculation on (drafted, not deferred); auto-off steps are not counted
 
     def before_schedule(self, scheduler: _C.Scheduler) -> bool:
         """Drafts for the next step unless the batch is too large; True when speculating
