@@ -242,6 +242,7 @@ void bind_scheduler(py::module_ &m) {
 
 namespace deepinfer {
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
+void bind_moe(py::module_ &m);  // csrc/kernels/bindings_moe.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -251,4 +252,5 @@ PYBIND11_MODULE(_C, m) {
   bind_scheduler_output(m);
   bind_scheduler(m);
   bind_kernels(m);
+  bind_moe(m);
 }

@@ -16,7 +16,12 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from deepinfer_dp.models.default_model import convert_gguf, default_model_path
-from deepinfer_dp.models.llama import LlamaForCausalLM, check_supported
+from deepinfer_dp.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_supported
+from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES, MoeForCausalLM
+
+# model_type -> the class that serves it
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    **dict.fromkeys(SUPPORTED_MODEL_TYPES, LlamaForCausalLM), **dict.fromkeys(MOE_MODEL_TYPES, MoeForCausalLM)}
 
 
 @dataclass
@@ -46,7 +51,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 def load_hf_config(model_dir: str | os.PathLike) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(model_dir)
-    check_supported(config)
+    check_supported(config, tuple(MODEL_CLASSES))
     return config
 
 
@@ -66,34 +71,40 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files."""
+def iterate_weights(model_dir: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files; with
+    `keep`, only the names it accepts are read at all (another EP rank's experts are not)."""
     for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
-def build_model(config: PretrainedConfig, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                expert_shard: tuple[int, int] = (0, 1)) -> LlamaForCausalLM:
     """An uninitialized model on `device`: built on the meta device so that no time goes
-    into random initialization that the checkpoint overwrites anyway."""
+    into random initialization that the checkpoint overwrites anyway. A mixture-of-experts
+    model holds only the routed experts of `expert_shard` (rank, size)."""
+    cls = MODEL_CLASSES[config.model_type]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = cls(config, expert_shard) if cls is MoeForCausalLM else cls(config)
     model.to_empty(device=device)
     if model.tie_word_embeddings:  # to_empty breaks the sharing; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(dtype)
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype,
-               device: torch.device | str) -> LoadedModel:
-    """Loads `model` (HF directory, .gguf file, or None for the default model)."""
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
+               expert_shard: tuple[int, int] = (0, 1)) -> LoadedModel:
+    """Loads `model` (HF directory, .gguf file, or None for the default model); a
+    mixture-of-experts model only the routed experts of `expert_shard` (EP rank, EP size)."""
     model_dir = resolve_model_dir(model)
     config = load_hf_config(model_dir)
     device = torch.device(device)
-    net = build_model(config, dtype, device)
-    net.load_weights(iterate_weights(model_dir))
+    net = build_model(config, dtype, device, expert_shard)
+    net.load_weights(iterate_weights(model_dir, getattr(net, "wants_weight", None)))
+    net.source_dir = str(model_dir)
     net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
                        model_dir=str(model_dir))
