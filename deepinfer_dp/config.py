@@ -28,6 +28,10 @@ class EngineConfig:
     torch_threads: int | None = None  # None: leave torch's default
     dp_size: int = 1
     dp_rank: int = 0
+    # Mixture-of-experts models: each DP rank holds 1/dp_size of the routed experts and the
+    # MoE layers dispatch tokens over the DP group (vLLM's name); ignored by dense models.
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "all_to_all"  # the EP dispatcher: all_to_all or allgather_reducescatter
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "dp_size")
@@ -47,6 +51,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"EngineConfig.dp_rank must be in [0, dp_size={self.dp_size}), got {self.dp_rank}")
+        if self.all2all_backend not in ("all_to_all", "allgather_reducescatter"):
+            raise ValueError(f"EngineConfig.all2all_backend must be all_to_all or allgather_reducescatter, "
+                             f"got {self.all2all_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be at least 2, got {self.max_model_len}")
 

@@ -63,6 +63,8 @@ class DeploymentConfig(_Section):
     enable_prefix_caching: bool = True
     seed: int = 0
     torch_threads: int | None = Field(None, ge=1)
+    enable_expert_parallel: bool = False  # MoE models: split the routed experts over the DP ranks
+    all2all_backend: Literal["all_to_all", "allgather_reducescatter"] = "all_to_all"
     router: RouterSection = RouterSection()
     ray: RaySection = RaySection()
     server: ServerSection = ServerSection()
@@ -96,7 +98,7 @@ class DeploymentConfig(_Section):
     def engine_config(self) -> EngineConfig:
         keys = ("model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "num_kv_blocks", "kv_cache_memory_gb", "max_model_len", "enable_prefix_caching", "zos",
-                "seed", "torch_threads", "dp_size")
+                "seed", "torch_threads", "dp_size", "enable_expert_parallel", "all2all_backend")
         return EngineConfig(**{k: getattr(self, k) for k in keys})
 
     def dp_options(self) -> dict[str, Any]:
@@ -170,7 +172,8 @@ _FLAGS: dict[str, str] = {
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "block_size": "block_size", "kv_cache_memory_gb": "kv_cache_memory_gb", "num_kv_blocks": "num_kv_blocks",
     "max_model_len": "max_model_len", "zos": "zos", "enable_prefix_caching": "enable_prefix_caching",
-    "torch_threads": "torch_threads", "router_policy": "router.policy", "ray_address": "ray.address",
+    "torch_threads": "torch_threads", "enable_expert_parallel": "enable_expert_parallel",
+    "all2all_backend": "all2all_backend", "router_policy": "router.policy", "ray_address": "ray.address",
     "placement_strategy": "ray.placement_strategy", "host": "server.host", "port": "server.port",
     "api_key": "server.api_key", "metrics_port": "metrics.port",
 }
@@ -197,6 +200,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                    help="disable zero-overhead scheduling")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    default=None, help="disable prefix caching")
+    g.add_argument("--enable-expert-parallel", dest="enable_expert_parallel", action="store_const", const=True,
+                   default=None, help="MoE models: each DP rank holds 1/dp_size of the routed experts")
+    g.add_argument("--all2all-backend", default=None,
+                   help="expert-parallel dispatcher: all_to_all or allgather_reducescatter")
     g.add_argument("--router-policy", default=None, help="round_robin, least_loaded or prefix_affinity")
     g.add_argument("--ray-address", default=None, help="local (a private Ray) or auto (a running cluster)")
     g.add_argument("--placement-strategy", default=None, help="pack or spread (one bundle per rank)")

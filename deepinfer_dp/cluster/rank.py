@@ -17,7 +17,8 @@ import time
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.distributed import Lockstep, LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.distributed import LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.distributed.moe_dispatch import MoECollectiveError
 from deepinfer_dp.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ class RankServer:
             self._step_until_all_done()
         except LockstepError as e:
             logger.error("%s", e)
-            self._send(p.GroupBroken(self.dp_rank, self.wave, str(e)))
+            # A MoE collective fails mid-step: that step's tokens never came, so this rank's
+            # requests are lost and reported with the cause (the vote fails before a step).
+            lost = self.engine.fail_inflight() if isinstance(e, MoECollectiveError) else []
+            self._send(p.GroupBroken(self.dp_rank, self.wave, str(e), lost))
             self._await_reform()
             return
         self._send(p.WaveDone(self.dp_rank, self.wave))
@@ -143,7 +147,7 @@ class RankServer:
         destroy_dp_groups()
         groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, old.groups.device,
                                 old.groups.timeout_s)
-        self.engine.lockstep = Lockstep(groups, old.use_cpu_group)
+        self.engine.join_dp_group(groups)
         self.wave = r.wave
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
                        r.world_size)

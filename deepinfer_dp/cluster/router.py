@@ -194,6 +194,8 @@ class Router:
             logger.error("DP rank %d: %s", msg.dp_rank, msg.message)
             self.group_failures += 1
             self._broken_ranks.add(msg.dp_rank)
+            for rid in msg.request_ids:
+                self._finish(rid, RankFailed(f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
             if self._broken_since is None:
                 self._broken_since = time.monotonic()
             self._health_kick.set()  # liveness calls can block: not on this thread

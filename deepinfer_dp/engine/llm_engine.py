@@ -46,7 +46,8 @@ class LLMEngine:
             torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         self.device = config.torch_device()
-        loaded = load_model(config.model, config.torch_dtype(), self.device)
+        expert_shard = (config.dp_rank, config.dp_size) if config.enable_expert_parallel else (0, 1)
+        loaded = load_model(config.model, config.torch_dtype(), self.device, expert_shard)
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
@@ -103,6 +104,32 @@ class LLMEngine:
         for rid in found:
             self._forget(str(rid))
         return found
+
+    def join_dp_group(self, groups) -> None:
+        """Steps in lockstep with the DP group `groups` (DPGroups) from now on; with expert
+        parallelism the MoE layers dispatch over it too (a collective call: every rank of
+        the group makes it). Called again with a re-formed group after a peer failed."""
+        from deepinfer_dp.distributed import Lockstep
+
+        self.lockstep = Lockstep(groups, use_cpu_group=self.config.zos)
+        model = self.worker.runner.model
+        if self.config.enable_expert_parallel and hasattr(model, "bind_ep_group"):
+            from deepinfer_dp.distributed.moe_dispatch import init_ep_group
+
+            model.bind_ep_group(init_ep_group(groups), self.config.all2all_backend)
+
+    def fail_inflight(self) -> list[str]:
+        """After a step that failed mid-forward (a MoE collective lost a peer): its tokens
+        never came, so every request of this rank is aborted and its id returned for the
+        caller to fail with the cause; the engine is then empty and usable again."""
+        self.worker.drain()  # a forward queued behind the failed one must not touch freed blocks
+        self.worker.prev_step_state = None
+        self.scheduler.release_outputs()
+        lost = [rid for rid in list(self.requests) if self.scheduler.abort(rid)]
+        for rid in list(self.requests):
+            self._forget(rid)
+        self._finished.clear()
+        return lost
 
     # ---- the step loop -----------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -176,7 +203,12 @@ class LLMEngine:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
-                "device_busy_s": self.worker.device_busy_s, **s.stats}
+                "device_busy_s": self.worker.device_busy_s, **s.stats,
+                **self._moe_stats()}
+
+    def _moe_stats(self) -> dict:
+        model = self.worker.runner.model
+        return model.moe_stats(self.worker.device_busy_s) if hasattr(model, "moe_stats") else {}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

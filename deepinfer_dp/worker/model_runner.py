@@ -4,6 +4,7 @@ returns the logits of the rows that sample. Owns the paged KV cache."""
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,10 @@ from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
+
+# Test-only switch: "1" skips the placeholder step's forward pass, to show why it is there
+# (with expert parallelism the busy ranks' MoE collectives then wait for this rank in vain).
+SKIP_PLACEHOLDER_FORWARD = os.environ.get("DEEPINFER_DP_TEST_SKIP_PLACEHOLDER_FORWARD") == "1"
 
 
 @dataclass
@@ -92,12 +97,15 @@ class ModelRunner:
             seq_lens_host=[1],
             max_query_len=1,
             max_seq_len=1,
+            is_placeholder=True,
         )
         return ModelInput(one, one.clone(), md, None)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
         """Logits [N, vocab] (fp32) of the sampling rows; None for the placeholder step."""
+        if inp.attn_metadata.is_placeholder and SKIP_PLACEHOLDER_FORWARD:
+            return None
         input_ids = inp.input_ids
         if inp.inflight_src is not None:
             # Tokens the previous (deferred) step sampled, never read on the host yet.
