@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of a step (chunked prefill)")
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--device", default="auto", help="auto: each rank its own GPU (cuda:LOCAL_RANK) or the CPU")
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
@@ -46,6 +47,7 @@ def main() -> None:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
               dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = my_shard(len(prompts), rank, world, args.shard_sizes)

@@ -18,7 +18,6 @@ import zmq
 
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.distributed import LockstepError, destroy_dp_groups, init_dp_groups
-from deepinfer_dp.distributed.moe_dispatch import MoECollectiveError
 from deepinfer_dp.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -64,10 +63,10 @@ class RankServer:
             self._step_until_all_done()
         except LockstepError as e:
             logger.error("%s", e)
-            # A MoE collective fails mid-step: that step's tokens never came, so this rank's
-            # requests are lost and reported with the cause (the vote fails before a step).
-            lost = self.engine.fail_inflight() if isinstance(e, MoECollectiveError) else []
-            self._send(p.GroupBroken(self.dp_rank, self.wave, str(e), lost))
+            # A MoE collective that failed mid-step lost that step's tokens: this rank's
+            # requests are then failed with that cause (a failed vote loses nothing).
+            lost, cause = self.engine.drop_lost_step()
+            self._send(p.GroupBroken(self.dp_rank, self.wave, cause or str(e), lost))
             self._await_reform()
             return
         self._send(p.WaveDone(self.dp_rank, self.wave))

@@ -118,18 +118,23 @@ class LLMEngine:
 
             model.bind_ep_group(init_ep_group(groups), self.config.all2all_backend)
 
-    def fail_inflight(self) -> list[str]:
-        """After a step that failed mid-forward (a MoE collective lost a peer): its tokens
-        never came, so every request of this rank is aborted and its id returned for the
-        caller to fail with the cause; the engine is then empty and usable again."""
+    def drop_lost_step(self) -> tuple[list[str], str]:
+        """After the DP group failed: if a forward pass failed with it (a MoE collective lost
+        its peer mid-step), that step's tokens never come, so every request of this rank is
+        aborted; returns their ids and the cause, for the caller to fail them with. The engine
+        is then empty and usable again. ([], "") when no step was lost (the vote failed
+        between steps): the requests go on in the re-formed group."""
         self.worker.drain()  # a forward queued behind the failed one must not touch freed blocks
+        dispatcher = getattr(self.worker.runner.model, "dispatcher", None)
+        if dispatcher is None or dispatcher.broken is None:
+            return [], ""
         self.worker.prev_step_state = None
         self.scheduler.release_outputs()
         lost = [rid for rid in list(self.requests) if self.scheduler.abort(rid)]
         for rid in list(self.requests):
             self._forget(rid)
         self._finished.clear()
-        return lost
+        return lost, str(dispatcher.broken)
 
     # ---- the step loop -----------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
