@@ -108,6 +108,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         for row, block in zip(self.expert_tokens, self.moe_blocks, strict=True):
             block.experts.expert_tokens = row
         self.source_dir: str | None = None  # the checkpoint, for reloading experts (set by the loader)
+        self._past_collective_s = 0.0  # of dispatchers replaced by a re-formed group's
 
     def make_model(self, config) -> nn.Module:
         return LlamaModel(config, self.context, partial(MoeDecoderLayer, shard=self.expert_shard))
@@ -136,6 +137,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if shard != self.expert_shard:
             self.reload_experts(shard)
         dispatcher = make_dispatcher(backend, ep, self.spec.num_experts) if ep is not None and ep.size > 1 else None
+        if self.dispatcher is not None:  # the time stays a counter across re-formed groups
+            self._past_collective_s += self.dispatcher.collective_s
         for block in self.moe_blocks:
             block.experts.dispatcher = dispatcher
 
@@ -148,7 +151,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         real tokens (not the placeholder's) expert e of MoE layer moe_layers[i] computed on
         this rank -- under EP only its own experts, whichever rank sent the tokens."""
         dispatcher, experts = self.dispatcher, self.moe_blocks[0].experts if self.moe_blocks else None
-        collective_s = dispatcher.collective_s if dispatcher is not None else 0.0
+        collective_s = self._past_collective_s + (dispatcher.collective_s if dispatcher is not None else 0.0)
         return {"moe_layers": self.moe_layer_indices, "moe_expert_tokens": self.expert_tokens.tolist(),
                 "moe_local_experts": [experts.first_expert, experts.end_expert] if experts else [0, 0],
                 "moe_dispatcher": dispatcher.name if dispatcher is not None else "local",
