@@ -190,12 +190,14 @@ class Router:
             if msg.query_id in self._queries:
                 self._queries[msg.query_id][msg.dp_rank] = {"up": True, **msg.stats}
                 self._stats_ready.notify_all()
-        elif isinstance(msg, p.GroupBroken) and msg.wave >= self._reform_wave:
+        elif isinstance(msg, p.GroupBroken):
+            for rid in msg.request_ids:  # lost with a failed step: fail them even if a re-form is under way
+                self._finish(rid, RankFailed(f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
+            if msg.wave < self._reform_wave:
+                return
             logger.error("DP rank %d: %s", msg.dp_rank, msg.message)
             self.group_failures += 1
             self._broken_ranks.add(msg.dp_rank)
-            for rid in msg.request_ids:
-                self._finish(rid, RankFailed(f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
             if self._broken_since is None:
                 self._broken_since = time.monotonic()
             self._health_kick.set()  # liveness calls can block: not on this thread

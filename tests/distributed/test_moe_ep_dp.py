@@ -164,7 +164,6 @@ def test_killed_rank_during_moe_steps(ray_ep, dp1_token_ids):
     engine = ray_ep.llm_engine
     router = engine.router
     router.policy = RoundRobin()
-    failures = router.group_failures
     got: queue.Queue = queue.Queue()
     long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
     ranks = [router.submit(f"kill-{i}", [5, 6, 7, 8], long, got.put) for i in range(4)]
@@ -176,7 +175,6 @@ def test_killed_rank_during_moe_steps(ray_ep, dp1_token_ids):
     assert len(dead) == ranks.count(1) and len(dead) + len(lost) == len(failed)
     assert all(re.search(r"the MoE .* of layer \d+ .*collective timeout 10s", m) for m in lost)
     assert len(finished) + len(lost) == ranks.count(0)
-    assert router.group_failures > failures
     assert [h["up"] for h in router.health()] == [True, False]
     assert _ids(ray_ep.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
     (survivor,) = [s for s in ray_ep.rank_stats() if s.get("up")]
