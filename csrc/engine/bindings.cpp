@@ -310,6 +310,7 @@ void bind_scheduler(py::module_ &m) {
       .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("status"),
            "Like abort, with another finished status (a stop string matched outside the scheduler).")
       .def("release_outputs", &Scheduler::release_outputs)
+      .def("discard_unprocessed", &Scheduler::discard_unprocessed)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
@@ -353,6 +354,7 @@ void bind_scheduler(py::module_ &m) {
 namespace deepinfer {
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
 void bind_packed_kernels(py::module_ &m);  // csrc/kernels/bindings_packed.cpp
+void bind_moe(py::module_ &m);  // csrc/kernels/bindings_moe.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -363,4 +365,5 @@ PYBIND11_MODULE(_C, m) {
   bind_scheduler(m);
   bind_kernels(m);
   bind_packed_kernels(m);
+  bind_moe(m);
 }
