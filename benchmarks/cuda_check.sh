@@ -3,7 +3,8 @@
 #   bash benchmarks/cuda_check.sh OUT_DIR [SMOLLM2_CONFIG_DIR]
 # 1. builds the C++ core; 2. tests/engine/test_cuda.py (fp32 token-identical to transformers on the
 # GPU, bf16, ZOS on/off, preemption, seeded sampling); 3. DP=2 under torchrun, both ranks on
-# one GPU (ZOS on: the lockstep vote rides the CPU group), compared with DP=1; 4. the offline
+# one GPU (ZOS on: the lockstep vote rides the CPU group), compared with DP=1; then MoE expert
+# parallelism on the GPU (tests/distributed/test_moe_cuda.py); 4. the offline
 # throughput benchmark against transformers on the GPU, on a SmolLM2-shaped model with random
 # weights built from SMOLLM2_CONFIG_DIR (config and tokenizer files; the speed of a model
 # depends on its shape, not its weights).
@@ -37,6 +38,10 @@ dp = json.load(open(sys.argv[1]))
 print("DP=2 outputs equal DP=1:", dp["token_ids"] == ids)
 print("rank stats:", [(s["dp_rank"], s["generate_step"], s["placeholder_steps"]) for s in dp["rank_stats"]])
 PY
+
+echo "== MoE expert parallelism on CUDA (two ranks on the one GPU; NCCL too with two GPUs)"
+timeout 600 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_moe_cuda.py 2>&1 \
+  | tee "$OUT/test_moe_cuda.log" | tail -15
 
 if [ -n "$SMOL" ]; then
   echo "== offline throughput on the GPU (SmolLM2 shape, random weights)"

@@ -73,6 +73,11 @@ class EngineConfig:
                                                               "$DEEPINFER_DP_TORCH_THREADS or torch's)")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks")
     dp_rank: int = _internal(0, "this process's DP rank", ge=0)
+    # Mixture-of-experts models (ignored by dense ones); vLLM's names.
+    enable_expert_parallel: bool = Field(False, description="MoE models: each DP rank holds 1/dp_size of the "
+                                                            "routed experts; MoE layers dispatch over the DP group")
+    all2all_backend: Literal["all_to_all", "allgather_reducescatter"] = Field(
+        "all_to_all", description="the expert-parallel dispatcher")
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> EngineConfig:

@@ -29,9 +29,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of a step (chunked prefill)")
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--device", default="auto", help="auto: each rank its own GPU (cuda:LOCAL_RANK) or the CPU")
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE models: each rank holds 1/N of the routed experts")
+    ap.add_argument("--all2all-backend", default="all_to_all", help="all_to_all or allgather_reducescatter")
     ap.add_argument("--output", help="rank 0 writes {token_ids, rank_stats} as JSON here")
     args = ap.parse_args()
     prompts = DEFAULT_PROMPTS
@@ -39,7 +43,9 @@ def main() -> None:
         with open(args.prompts_file) as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
-              dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+              dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
     if llm.dp is None:
         raise SystemExit("run this under torchrun with --nproc-per-node 2 or more (see the docstring)")
     rank, world = llm.dp.dp_rank, llm.dp.dp_size

@@ -329,6 +329,7 @@ void bind_scheduler(py::module_ &m) {
           },
           py::arg("k"), py::arg("min_n"), py::arg("max_n"),
           "Prompt-lookup drafts for every candidate; returns how many got some.")
+      .def("discard_unprocessed", &Scheduler::discard_unprocessed)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
@@ -376,6 +377,7 @@ void bind_scheduler(py::module_ &m) {
 namespace deepinfer {
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
 void bind_packed_kernels(py::module_ &m);  // csrc/kernels/bindings_packed.cpp
+void bind_moe(py::module_ &m);  // csrc/kernels/bindings_moe.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -389,4 +391,5 @@ PYBIND11_MODULE(_C, m) {
         "tokens (largest n in [min_n, max_n] first); empty when no suffix recurs.");
   bind_kernels(m);
   bind_packed_kernels(m);
+  bind_moe(m);
 }

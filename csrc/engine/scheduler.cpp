@@ -376,4 +376,11 @@ std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out) {
   return md;
 }
 
+void Scheduler::discard_unprocessed() {
+  if (has_unfinished_seqs())
+    throw std::logic_error("discard_unprocessed: " + std::to_string(waiting_.size() + running_.size()) +
+                           " unfinished sequence(s) still wait for the tokens of those batches; abort them first");
+  last_processed_step_ = step_id_;
+}
+
 }  // namespace deepinfer

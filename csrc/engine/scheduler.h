@@ -116,6 +116,10 @@ class Scheduler {
   std::optional<RequestOutput> abort(const std::string &request_id);
   std::optional<RequestOutput> finish_request(const std::string &request_id, SequenceStatus status);
   void release_outputs() { pool_->release_all(); }
+  // The batches scheduled but not processed yet will never be (their forward pass failed,
+  // and every request was aborted): the next batch is the next one processed. Refused
+  // (std::logic_error) while a sequence is unfinished, whose tokens those batches carry.
+  void discard_unprocessed();
 
   // Speculative decoding (csrc/engine/scheduler_spec.cpp). Drafts are set between steps and
   // used by the next schedule() only; it drops those it cannot use.

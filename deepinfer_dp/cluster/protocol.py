@@ -95,11 +95,13 @@ class Stats(msgspec.Struct, tag=True):
 
 
 class GroupBroken(msgspec.Struct, tag=True):
-    """The lockstep vote failed (a peer died); this rank waits for a Reform."""
+    """A collective of the DP group failed (a peer died); this rank waits for a Reform.
+    `request_ids`: its requests the failure took down (a MoE collective fails mid-step)."""
 
     dp_rank: int
     wave: int
     message: str
+    request_ids: list[str] = []
 
 
 # ---- client <-> router ----------------------------------------------------------------

@@ -22,7 +22,7 @@ import os
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.distributed import Lockstep, LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.distributed import LockstepError, destroy_dp_groups, init_dp_groups
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
@@ -83,7 +83,10 @@ class RankServer:
             self._step_until_all_done()
         except LockstepError as e:
             logger.error("%s", e)
-            self._send(p.GroupBroken(self.dp_rank, self.wave, str(e)))
+            # A MoE collective that failed mid-step lost that step's tokens: this rank's
+            # requests are then failed with that cause (a failed vote loses nothing).
+            lost, cause = self.engine.drop_lost_step()
+            self._send(p.GroupBroken(self.dp_rank, self.wave, cause or str(e), lost))
             self._await_reform()
             return
         self._send(p.WaveDone(self.dp_rank, self.wave))
@@ -158,7 +161,7 @@ class RankServer:
         destroy_dp_groups()
         groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, old.groups.device,
                                 old.groups.timeout_s)
-        self.engine.lockstep = Lockstep(groups, old.use_cpu_group)
+        self.engine.join_dp_group(groups)
         self.wave = r.wave
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
                        r.world_size)

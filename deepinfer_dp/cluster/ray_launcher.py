@@ -44,8 +44,9 @@ class RankActor:
 
     def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
         from deepinfer_dp.cluster.rank import RankServer
-        from deepinfer_dp.distributed import Lockstep, init_dp_groups
+        from deepinfer_dp.distributed import init_dp_groups
         from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
+        from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
         from deepinfer_dp.engine.llm_engine import LLMEngine
 
         cpus = rank_cpus(self.dp_rank, self.world_size) if self.config.torch_device().type == "cpu" else None
@@ -53,8 +54,8 @@ class RankActor:
             bind_this_process(cpus)
         engine = LLMEngine(self.config)  # load first: the group timeout should not count it
         groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
-                                engine.device, timeout_s)
-        engine.lockstep = Lockstep(groups, use_cpu_group=self.config.zos)
+                                engine.device, timeout_s, JOIN_TIMEOUT_S)
+        engine.join_dp_group(groups)
         if host not in ("127.0.0.1", "localhost"):  # multi-node: bind this node's address
             host = ray.util.get_node_ip_address()
         server = RankServer(engine, self.dp_rank, router_addr, host)

@@ -184,8 +184,19 @@ class Router:
                 self._to_client(entry[0], p.RequestError(msg.request_id, "rejected", msg.message))
         elif isinstance(msg, p.Stats):
             self.stats.on_stats(msg)
-        elif isinstance(msg, p.GroupBroken) and self.membership.group_broken(msg):
-            self._health_kick.set()  # liveness calls can block: not on this thread
+        elif isinstance(msg, p.GroupBroken):
+            self._fail_lost(msg)
+            if self.membership.group_broken(msg):
+                self._health_kick.set()  # liveness calls can block: not on this thread
+
+    def _fail_lost(self, msg: p.GroupBroken) -> None:
+        """Requests a failed MoE step took down are failed even while a re-form is under way
+        (their rank will never report them)."""
+        for rid in msg.request_ids:
+            entry = self._forget(rid)
+            if entry is not None:
+                self._to_client(entry[0], p.RequestError(
+                    rid, "rank_failed", f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
 
     def _deliver(self, msg: p.Deltas, raw: bytes) -> None:
         """Each client gets its own requests' deltas; a delta of an aborted request is dropped."""

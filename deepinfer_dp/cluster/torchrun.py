@@ -19,7 +19,7 @@ import os
 import torch
 
 from deepinfer_dp.config import EngineConfig
-from deepinfer_dp.distributed import DPGroups, Lockstep, destroy_dp_groups, init_dp_groups_from_env, torchrun_env
+from deepinfer_dp.distributed import DPGroups, destroy_dp_groups, init_dp_groups_from_env, torchrun_env
 from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
 from deepinfer_dp.distributed.groups import DEFAULT_TIMEOUT_S, all_gather_json
 from deepinfer_dp.engine.llm_engine import LLMEngine
@@ -82,5 +82,5 @@ def build_torchrun_rank(config: EngineConfig) -> TorchrunRank:
     timeout_s = float(os.environ.get("DEEPINFER_DP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     engine = LLMEngine(config)
     groups = init_dp_groups_from_env(engine.device, timeout_s)
-    engine.lockstep = Lockstep(groups, use_cpu_group=config.zos)
+    engine.join_dp_group(groups)
     return TorchrunRank(groups, StepLoop(engine))

@@ -58,7 +58,8 @@ class LLMEngine:
             torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         self.device = config.torch_device()
-        loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights)
+        expert_shard = (config.dp_rank, config.dp_size) if config.enable_expert_parallel else (0, 1)
+        loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights, expert_shard)
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
@@ -125,6 +126,38 @@ class LLMEngine:
         for rid in found:
             self._forget(str(rid))
         return found
+
+    def join_dp_group(self, groups) -> None:
+        """Steps in lockstep with the DP group `groups` (DPGroups) from now on; with expert
+        parallelism the MoE layers dispatch over it too (a collective call: every rank of
+        the group makes it). Called again with a re-formed group after a peer failed."""
+        self.lockstep = Lockstep(groups, use_cpu_group=self.config.zos)
+        model = self.worker.runner.model
+        if self.config.enable_expert_parallel and hasattr(model, "bind_ep_group"):
+            from deepinfer_dp.distributed.moe_dispatch import init_ep_group
+
+            model.bind_ep_group(init_ep_group(groups), self.config.all2all_backend)
+
+    def drop_lost_step(self) -> tuple[list[str], str]:
+        """After the DP group failed: if a forward pass failed with it (a MoE collective lost
+        its peer mid-step), that step's tokens never come, so every request of this rank is
+        aborted; returns their ids and the cause, for the caller to fail them with. The engine
+        is then empty and usable again. ([], "") when no step was lost (the vote failed
+        between steps): the requests go on in the re-formed group."""
+        self.worker.drain()  # a forward queued behind the failed one must not touch freed blocks
+        dispatcher = getattr(self.worker.runner.model, "dispatcher", None)
+        if dispatcher is None or dispatcher.broken is None:
+            return [], ""
+        self.worker.prev_step_state = None
+        self.scheduler.release_outputs()
+        lost = [rid for rid in list(self.requests) if self.scheduler.abort(rid) is not None]
+        for rid in list(self.requests):
+            self._forget(rid)
+        self._prompt_logprobs.clear()
+        self._finished.clear()
+        self.scheduler.release_outputs()
+        self.scheduler.discard_unprocessed()  # the failed step's batch never comes back
+        return lost, str(dispatcher.broken)
 
     # ---- what the step loop calls -------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -254,7 +287,12 @@ class LLMEngine:
                 "num_free_blocks": s.num_free_blocks, "num_usable_blocks": s.num_usable_blocks,
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
                 "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
-                "forward_time_s": self.worker.runner.forward_time_s, **speculator.stats(s.stats, self.speculator)}
+                "forward_time_s": self.worker.runner.forward_time_s, **speculator.stats(s.stats, self.speculator),
+                **self._moe_stats()}
+
+    def _moe_stats(self) -> dict:
+        model = self.worker.runner.model
+        return model.moe_stats(self.worker.device_busy_s) if hasattr(model, "moe_stats") else {}
 
     def shutdown(self) -> None:
         """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""

@@ -44,6 +44,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    is_placeholder: bool = False  # the placeholder step's dummy token (its outputs are thrown away)
     # Per-step tensors derived on first use by layer 0 and reused by the other layers.
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 

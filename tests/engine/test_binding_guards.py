@@ -96,6 +96,25 @@ def test_batch_processed_once_in_order():
     assert seq.data.get_output_token_ids() == [5, 6, 7] and seq.num_pending == 0
 
 
+def test_batches_of_a_lost_step_are_discarded_only_once_nothing_waits_for_them():
+    """A forward that failed (a MoE collective lost its peer) never returns its tokens: once
+    every request is aborted, its batches are skipped and the scheduler serves on."""
+    s = scheduler()
+    add(s, "r", [1, 2, 3], max_tokens=10)
+    s.process_outputs(s.schedule(), np.array([5]))
+    lost = s.schedule()
+    with pytest.raises(RuntimeError, match=r"1 unfinished sequence\(s\) still wait"):
+        s.discard_unprocessed()
+    assert s.abort("r") is not None
+    s.release_outputs()
+    s.discard_unprocessed()
+    with pytest.raises(ValueError, match="already processed"):
+        s.process_outputs(lost, np.array([6]))
+    assert s.num_free_blocks == s.num_usable_blocks and not s.has_unfinished_seqs()
+    add(s, "next", [4, 5], max_tokens=2)
+    assert [o.token_id for o in s.process_outputs(s.schedule(), np.array([7]))] == [7]
+
+
 def test_scheduling_ahead_never_feeds_a_token_from_an_older_step():
     s = scheduler()
     seq = add(s, "r", [1, 2, 3], max_tokens=10)
