@@ -6,9 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# Measured with benchmarks/spec_decode.py on this project's CPU machines (README,
-# "Speculative decoding"): above this many running requests verification costs more than
-# n-gram drafts save, so speculation turns itself off (vLLM's disable_by_batch_size).
+# Above this many running requests speculation turns itself off (vLLM's
+# disable_by_batch_size): verifying K drafts per sequence stops being nearly free once the
+# step is no longer bound by reading the weights. A first estimate; benchmarks/spec_decode.py
+# (side ngram_always) measures the crossover (README, "Speculative decoding").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
