@@ -36,10 +36,7 @@ import torch
 
 from deepinfer_dp.structured_output.backend import GrammarBackend, apply_bitmask
 from deepinfer_dp.structured_output.metrics import StructuredOutputStats
-from deepinfer_dp.structured_output.params import StructuredOutputsParams
-
-# Starts the error of a build that failed on the request's own schema, regex or grammar.
-BUILD_ERROR_PREFIX = "structured_outputs."
+from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX, StructuredOutputsParams
 
 
 @dataclass

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Starts the error of a grammar build that failed on the request's own schema, regex or
+# grammar (backend.py writes them so); the front ends answer it as bad input.
+BUILD_ERROR_PREFIX = "structured_outputs."
 
 
 @dataclass
