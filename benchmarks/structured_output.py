@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    llm = LLM(max_model_len=1024, max_num_seqs=args.requests)
+    llm = LLM(max_model_len=1024, max_num_seqs=max(args.requests, 17))
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"List {i + 3} fruits as JSON."}],
                                        tokenize=False, add_generation_prompt=True) for i in range(args.requests)]

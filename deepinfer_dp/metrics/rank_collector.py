@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from deepinfer_dp.structured_output.metrics import COMPILE_BUCKETS_S
 
 PREFIX = "deepinfer:"
 
@@ -41,6 +43,15 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
      "CPU: time the rank's compute thread spent in forward passes and sampling."),
     ("requests_failed", "counter", "requests_failed",
      "Requests finished with an error inside the engine; the engine kept serving the others."),
+    ("structured_output_requests", "counter", "so_constrained_requests",
+     "Requests admitted with a structured-output grammar (JSON schema, regex, choice, grammar)."),
+    ("structured_output_cache_hits", "counter", "so_cache_hits", "Grammar builds served from the LRU cache."),
+    ("structured_output_cache_misses", "counter", "so_cache_misses", "Grammars compiled (not in the cache)."),
+    ("structured_output_build_failures", "counter", "so_build_failures",
+     "Grammar builds that failed; each finished its request with an error."),
+    ("structured_output_mask_time_seconds", "counter", "so_mask_time_s",
+     "Host time filling the token bitmasks of constrained rows (see _mask_steps for the per-step mean)."),
+    ("structured_output_mask_steps", "counter", "so_mask_steps", "Steps that filled a token bitmask."),
 ]
 
 
@@ -59,8 +70,23 @@ class RankStatsCollector(Collector):
                 if rank.get(key) is not None:  # a rank that does not report a value has no series
                     family.add_metric([str(rank.get("dp_rank", 0))], float(rank[key]))
             yield family
+        yield _compile_histogram(stats)
         up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers health checks, else 0.",
                                labels=["dp_rank"])
         for rank in self.client.health():
             up.add_metric([str(rank["dp_rank"])], 1.0 if rank.get("up") else 0.0)
         yield up
+
+
+def _compile_histogram(stats: list[dict]) -> Metric:
+    """Grammar compile time per rank, from the cumulative bucket counts in its stats."""
+    family = HistogramMetricFamily(PREFIX + "structured_output_compile_seconds",
+                                   "Time to compile a structured-output grammar.", labels=["dp_rank"])
+    for rank in stats:
+        counts = rank.get("so_compile_buckets")
+        if counts is None:
+            continue
+        buckets = [(str(b), float(n)) for b, n in zip(COMPILE_BUCKETS_S, counts, strict=True)]
+        buckets.append(("+Inf", float(rank["so_compile_count"])))
+        family.add_metric([str(rank.get("dp_rank", 0))], buckets, rank["so_compile_sum_s"])
+    return family

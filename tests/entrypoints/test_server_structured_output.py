@@ -125,3 +125,15 @@ def test_invalid_specs_are_400_naming_the_field(server, route, body, param):
     ok = httpx.post(server.url + "/v1/completions", json={"model": server.model_name, "prompt": "Hi",
                                                           "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200
+
+
+def test_metrics_count_constrained_requests_and_compile_time(client, server):
+    client.completions.create(model=server.model_name, prompt="Pick:", temperature=0, max_tokens=5,
+                              extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    text = httpx.get(server.url + "/metrics").text
+    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("deepinfer:structured_output")}
+    assert series['deepinfer:structured_output_requests_total{dp_rank="0"}'] >= 1
+    assert series['deepinfer:structured_output_compile_seconds_count{dp_rank="0"}'] >= 1
+    assert series['deepinfer:structured_output_mask_steps_total{dp_rank="0"}'] >= 1
+    assert 'deepinfer:structured_output_compile_seconds_bucket{dp_rank="0",le="+Inf"}' in series
