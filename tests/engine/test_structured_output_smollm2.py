@@ -17,7 +17,7 @@ INT = {"type": "integer", "minimum": 0, "maximum": 1000}
 
 
 def obj(required: bool = True, **props) -> dict:
-    schema = {"type": "object", "properties": props}
+    schema = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         schema["required"] = list(props)
     return schema
@@ -67,8 +67,11 @@ def _prompts(llm: LLM, schemas: list[dict]) -> list[str]:
 
 
 def _run_schemas(llm: LLM, schemas: list[dict], temperature: float) -> None:
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=250,
-                             structured_outputs=StructuredOutputsParams(json=s)) for i, s in enumerate(schemas)]
+    # Compact JSON: with free whitespace the 135M model can emit newlines until max_tokens
+    # (seen on the matrix schema), a valid prefix that never closes.
+    specs = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in schemas]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=250, structured_outputs=spec)
+              for i, spec in enumerate(specs)]
     for text, schema in zip(llm.generate(_prompts(llm, schemas), params, use_tqdm=False), schemas, strict=True):
         check_json(text, schema)
 
