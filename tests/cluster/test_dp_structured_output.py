@@ -41,7 +41,9 @@ def _settled(llm, timeout_s: float = 20.0) -> list[dict]:
 def test_a_rank_whose_only_request_waits_for_its_grammar_keeps_the_group_stepping(ray_llm):
     # Round robin: the plain request goes to rank 0, the constrained one to rank 1, whose
     # first build also sets up the tokenizer for the grammar library (about a second), while
-    # rank 0 is done in a few steps.
+    # rank 0 is done in a few steps. (That the build overlaps placeholder steps is not asserted:
+    # on a loaded machine the ranks may start their wave after the build; the engine test
+    # test_a_request_waits_outside_the_scheduler_while_its_grammar_builds gates the build.)
     before = _settled(ray_llm)
     params = [SamplingParams(temperature=0, max_tokens=4),
               SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
@@ -53,8 +55,6 @@ def test_a_rank_whose_only_request_waits_for_its_grammar_keeps_the_group_steppin
     assert steps[0] == steps[1]
     waited = after[1]["so_build_wait_s"] - before[1]["so_build_wait_s"]
     assert after[1]["so_constrained_requests"] == 1 and waited > 0
-    # rank 1 had nothing to schedule while its grammar built: placeholder steps, on both ranks
-    assert after[1]["placeholder_steps"] > before[1]["placeholder_steps"]
     assert after[0]["so_constrained_requests"] == 0
 
 
