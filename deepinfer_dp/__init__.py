@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from deepinfer_dp.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -9,6 +9,8 @@ import copy
 import math
 from dataclasses import dataclass
 
+from deepinfer_dp.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy: dividing logits by ~0
 # overflows to inf/NaN, and the argmax is what the user meant anyway.
 GREEDY_EPS = 1e-5
@@ -41,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         # Normalize first so the rest of the engine sees plain lists.
@@ -53,6 +56,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):  # from the wire (dataclasses.asdict)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.verify()
 
     def verify(self) -> None:
@@ -90,6 +95,7 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     _fail(name, f"must be None or in [0, {MAX_LOGPROBS}]", value)
         self._verify_logit_bias()
+        self._verify_structured_outputs()
         _check_int("n", self.n)
         if self.n < 1:
             _fail("n", "must be >= 1", self.n)
@@ -124,6 +130,16 @@ class SamplingParams:
             _check_number("logit_bias", bias)
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 _fail("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
+
+    def _verify_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            _fail("structured_outputs", "must be StructuredOutputsParams", type(so).__name__)
+        so.verify()
+        if self.ignore_eos:  # a finished grammar allows only EOS: ignoring it leaves no valid token
+            _fail("structured_outputs", "cannot be combined with ignore_eos", True)
 
     @property
     def is_greedy(self) -> bool:

@@ -16,6 +16,7 @@ import msgspec
 
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
@@ -105,7 +106,9 @@ async def deltas_until_finished(queue: asyncio.Queue, abandon: Callable[[], None
                 raise item
             finished = item.finished
             if item.error is not None:
-                raise RequestFailed(f"request {item.request_id} failed: {item.error}")
+                # a grammar the library refused is the request's own fault: 400, not 500
+                kind = RequestRejected if item.error.startswith(BUILD_ERROR_PREFIX) else RequestFailed
+                raise kind(f"request {item.request_id} failed: {item.error}")
             yield item
     finally:
         if not finished:

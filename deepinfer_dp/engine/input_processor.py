@@ -5,7 +5,8 @@ client (the offline DP driver and the API servers, before a request goes on the 
 OpenAI server (to answer 400 with the offending parameter). Whatever it accepts, everything
 after it trusts: no later stage may fail on a request's own values. So it checks what a
 later stage would choke on: the sampling values and their ranges (SamplingParams.verify,
-seeds within 64 bits), the prompt (non-empty, token ids inside the vocabulary, room left
+seeds within 64 bits), a structured-output schema, regex or grammar that does not parse,
+the prompt (non-empty, token ids inside the vocabulary, room left
 under max_model_len), stop token ids, and, where the API asks for it, that max_tokens fits.
 
 The C++ scheduler keeps its own checks on what crosses the binding; they are the last guard,
@@ -93,4 +94,10 @@ class InputProcessor:
         if bad:
             raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  "logit_bias")
+        if params.structured_outputs is not None:
+            from deepinfer_dp.structured_output import backend  # the grammar library, loaded when used
+            try:
+                backend.check(params.structured_outputs)
+            except ValueError as e:
+                raise InvalidRequest(str(e), f"structured_outputs.{params.structured_outputs.kind}") from None
         return params

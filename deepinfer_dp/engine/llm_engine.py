@@ -8,6 +8,10 @@ The worker calls back into the engine twice per step (the StepHost protocol of
 worker/worker.py): sampling_batch() before sampling and post_process() after it. A failure
 while post-processing one request finishes that request with finish_reason "error" and
 leaves the others and the engine running.
+
+A structured-output request waits outside the C++ scheduler until its grammar is built
+(structured_output/manager.py); the build counts as local work, and a failed build finishes
+the request with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import load_model, max_context_len
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode import speculator
+from deepinfer_dp.structured_output.backend import GrammarBackend
+from deepinfer_dp.structured_output.manager import StructuredOutputManager
 from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, num_kv_blocks_for
 from deepinfer_dp.worker.worker import StepState, Worker
 
@@ -82,6 +88,8 @@ class LLMEngine:
         self._num_special = 0  # live requests needing more than plain greedy sampling
         self._prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}  # requests that asked
         self._counter = itertools.count()
+        self.structured = StructuredOutputManager(GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids))
+        self._build_failures: list[OwnedOutput] = []  # reported by the next step
         self.generate_step = 0
         self.placeholder_steps = 0
         self.requests_failed = 0
@@ -112,7 +120,11 @@ class LLMEngine:
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)
         state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
-        self.scheduler.add_sequence(_C.Sequence(request_id, ids, limits))  # last: nothing to undo
+        seq = _C.Sequence(request_id, ids, limits)
+        if params.structured_outputs is not None:  # enters the scheduler once its grammar is built
+            self.structured.submit(request_id, params.structured_outputs, seq)
+        else:
+            self.scheduler.add_sequence(seq)  # last: nothing to undo
         self.requests[request_id] = state
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = prompt_logprobs.PromptLogprobs.for_prompt(ids, params.prompt_logprobs)
@@ -123,6 +135,7 @@ class LLMEngine:
         """Aborts the given requests and frees their KV blocks; returns the ids it found."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         found = [rid for rid in ids if self.scheduler.abort(str(rid)) is not None]
+        found += self.structured.cancel(str(rid) for rid in ids if rid not in found)
         for rid in found:
             self._forget(str(rid))
         return found
@@ -166,7 +179,8 @@ class LLMEngine:
         return self.vote(self.has_local_unfinished_requests())
 
     def has_local_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        # a grammar still building is work: the rank keeps stepping until its request runs
+        return self.scheduler.has_unfinished_seqs() or self.structured.has_pending() or bool(self._build_failures)
 
     def vote(self, local: bool) -> bool:
         """The DP vote: True if this rank (`local`) or any peer has work; one per step."""
@@ -174,6 +188,7 @@ class LLMEngine:
 
     def step(self) -> list:
         self._drop_finished_states()
+        failed = self._admit_built_grammars()
         # Drafting (speculative decoding) needs the accepted tokens, so such a step is not deferred.
         speculating = self.speculator is not None and self.speculator.before_schedule(self.scheduler)
         sched_out = self.scheduler.schedule()  # also releases the previous step's outputs
@@ -182,7 +197,23 @@ class LLMEngine:
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
         outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating)
         self.generate_step += 1
-        return outputs
+        return failed + outputs if failed else outputs
+
+    def _admit_built_grammars(self) -> list[OwnedOutput]:
+        """Requests whose grammar is ready enter the scheduler; a failed build finishes its
+        request with the error. Returns the failures (and any left from a flush)."""
+        if not self.scheduler.has_unfinished_seqs() and self.lockstep is None:
+            self.structured.wait_for_build(0.05)  # alone and only compiling: wait, don't spin
+        for rid, seq, error in self.structured.take_ready():
+            if error is None:
+                self.scheduler.add_sequence(seq)
+                continue
+            self.requests_failed += 1
+            self._finished.append(rid)
+            self._build_failures.append(OwnedOutput(rid, [], True, "error", seq.data.get_prompt_len(), 0,
+                                                    None, self.config.dp_rank, error))
+        failed, self._build_failures = self._build_failures, []
+        return failed
 
     def flush_inflight_reqs(self) -> list:
         """Post-processes the decode step that ZOS kept in flight."""
@@ -203,6 +234,7 @@ class LLMEngine:
         if self._num_special == 0:
             return None
         rids = sched_out.sample_request_ids
+        mask = self.structured.bitmask(rids, self.device)  # after the previous step's tokens were accepted
         states = [self.requests[r] for r in rids]
         params = [s.params for s in states]
         seqs = [self.scheduler.get_sequence(r) for r in rids]
@@ -213,7 +245,7 @@ class LLMEngine:
         return SamplingBatch.build(
             params, [s.generator for s in states], prompts, outputs,
             [s.data.get_output_len() if s else 0 for s in seqs], [s.eos_token_id for s in states],
-            vocab_size, self.device)
+            vocab_size, self.device).with_grammar(mask)
 
     def prompt_logprobs_spec(self, sched_out: _C.SchedulerOutput) -> prompt_logprobs.PromptLogprobsSpec | None:
         if not self._prompt_logprobs:
@@ -244,6 +276,9 @@ class LLMEngine:
                 outputs[i] = out = out.with_prompt_logprobs(pl.logprobs, pl.top_ids, pl.top_logprobs)
                 pl.delivered = True
             try:
+                if self.structured.tracks(out.request_id):  # constrained: advance its matcher
+                    self.structured.accept(out.request_id, out.token_ids, out.output_len,
+                                           lambda rid=out.request_id: self._output_ids(rid))
                 outputs[i] = out = self._check_stop_strings(out)
             except Exception as e:  # one request's failure must not end the others
                 outputs[i] = out = self._fail_request(out, e)
@@ -259,6 +294,10 @@ class LLMEngine:
             self.scheduler.finish_request(out.request_id, _C.SequenceStatus.FINISHED_STOPPED)
             return out.clone_finished(_C.SequenceStatus.FINISHED_STOPPED)
         return out
+
+    def _output_ids(self, request_id: str) -> list[int]:
+        seq = self.scheduler.get_sequence(request_id)
+        return list(seq.data.get_output_token_ids()) if seq is not None else []
 
     def _fail_request(self, out, error: Exception) -> OwnedOutput:
         """Finishes one request with an error (its blocks freed) instead of failing the step."""
@@ -278,6 +317,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self.structured.forget(request_id)
         if state is not None:
             self._num_special -= _is_special(state)
 
@@ -288,7 +328,7 @@ class LLMEngine:
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
                 "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
                 "forward_time_s": self.worker.runner.forward_time_s, **speculator.stats(s.stats, self.speculator),
-                **self._moe_stats()}
+                **self.structured.stats.as_dict(), **self._moe_stats()}
 
     def _moe_stats(self) -> dict:
         model = self.worker.runner.model
@@ -297,6 +337,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""
         self.worker.shutdown()
+        self.structured.shutdown()
         self.lockstep = None
 
 
@@ -312,7 +353,8 @@ def _check_fits(request_id: str, prompt_len: int, max_tokens: int, max_seq_len: 
 
 def _is_special(state: RequestState) -> bool:
     p = state.params
-    return not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0 or bool(p.logit_bias)
+    return (not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0 or bool(p.logit_bias)
+            or p.structured_outputs is not None)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:

@@ -22,6 +22,7 @@ from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
 from deepinfer_dp.engine.stop_strings import truncate_at_stop
 from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
 
 
 class LLM:
@@ -135,7 +136,10 @@ class LLM:
             if not outs or not outs[-1].finished:
                 raise RuntimeError(f"request {rid} ended without a finished output")  # never silently short
             if outs[-1].finish_reason == "error":
-                raise RuntimeError(f"prompt {i}: request {rid} failed: {outs[-1].error}")
+                error = outs[-1].error or ""
+                # a schema, regex or grammar the library refused is the caller's bad input
+                kind = ValueError if error.startswith(BUILD_ERROR_PREFIX) else RuntimeError
+                raise kind(f"prompt {i}: request {rid} failed: {error}")
             results[i].append(self._decode(outs, params[i]) if self.decode_sequence else outs)
         return [r[0] if params[i].n == 1 else r for i, r in enumerate(results)]
 

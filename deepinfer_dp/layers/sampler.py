@@ -1,9 +1,9 @@
 """Turn one step's logits into token ids.
 
 The model runner builds a `SamplingBatch` once per step and calls `Sampler` on
-the logits of the rows that sample. Order of work, as in vLLM:
-min-tokens mask -> logit bias -> penalties -> (greedy argmax | temperature -> top-k/top-p ->
-min-p -> exponential race); logprobs always describe the raw logits.
+the logits of the rows that sample. Order of work, as in vLLM: grammar bitmask (structured
+output, constrained rows only) -> min-tokens mask -> logit bias -> penalties -> (greedy argmax |
+temperature -> top-k/top-p -> min-p -> exponential race); logprobs always describe the raw logits.
 
 The all-greedy batch is the benchmark's hot path: `build` detects it with one
 pass over the params and the sampler does a single argmax.
@@ -11,10 +11,14 @@ pass over the params and the sampler does a single argmax.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_dp.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_dp.structured_output.manager import GrammarMask
 
 # Exponential noise of exactly 0 would turn a 0-probability token into 0/0=NaN,
 # which argmax would pick; the clamp keeps filtered tokens at 0.
@@ -60,6 +64,8 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None
     # Largest number of top logprobs asked; None when no row asked for logprobs.
     max_num_logprobs: int | None = None
+    # Structured output: the bitmask of the constrained rows (None: no row is constrained).
+    grammar: "GrammarMask | None" = None
 
     @classmethod
     def build(
@@ -94,6 +100,12 @@ class SamplingBatch:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_num_logprobs = min(max(asked), vocab_size) if asked else None
         return batch
+
+    def with_grammar(self, mask: "GrammarMask | None") -> "SamplingBatch":
+        """Adds the step's grammar mask; a masked batch is never the one-argmax fast path."""
+        if mask is not None:
+            self.grammar, self.fast_greedy = mask, False
+        return self
 
     def _set_sampling(
         self,
@@ -214,6 +226,8 @@ class Sampler:
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
         raw = logits
         logits = logits.clone()  # everything below works in place
+        if batch.grammar is not None:
+            batch.grammar.apply(logits)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         if batch.bias_rows is not None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from deepinfer_dp.structured_output.metrics import COMPILE_BUCKETS_S
 
 PREFIX = "deepinfer:"
 
@@ -46,6 +48,15 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),
     ("spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
      "Draft tokens the target model agreed with."),
+    ("structured_output_requests", "counter", "so_constrained_requests",
+     "Requests admitted with a structured-output grammar (JSON schema, regex, choice, grammar)."),
+    ("structured_output_cache_hits", "counter", "so_cache_hits", "Grammar builds served from the LRU cache."),
+    ("structured_output_cache_misses", "counter", "so_cache_misses", "Grammars compiled (not in the cache)."),
+    ("structured_output_build_failures", "counter", "so_build_failures",
+     "Grammar builds that failed; each finished its request with an error."),
+    ("structured_output_mask_time_seconds", "counter", "so_mask_time_s",
+     "Host time filling the token bitmasks of constrained rows (see _mask_steps for the per-step mean)."),
+    ("structured_output_mask_steps", "counter", "so_mask_steps", "Steps that filled a token bitmask."),
 ]
 PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0 = first).")
 
@@ -71,6 +82,7 @@ class RankStatsCollector(Collector):
             for pos, n in enumerate(rank.get(name) or []):
                 per_pos.add_metric([str(rank.get("dp_rank", 0)), str(pos)], float(n))
         yield per_pos
+        yield _compile_histogram(stats)
         up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers health checks, else 0.",
                                labels=["dp_rank"])
         for rank in self.client.health():
@@ -103,3 +115,17 @@ def moe_families(stats: list[dict]) -> Iterator[Metric]:
         collective.add_metric([dp_rank], float(rank["moe_collective_s"]))
         share.add_metric([dp_rank], float(rank["moe_collective_share"]))
     yield from (tokens, collective, share)
+
+
+def _compile_histogram(stats: list[dict]) -> Metric:
+    """Grammar compile time per rank, from the cumulative bucket counts in its stats."""
+    family = HistogramMetricFamily(PREFIX + "structured_output_compile_seconds",
+                                   "Time to compile a structured-output grammar.", labels=["dp_rank"])
+    for rank in stats:
+        counts = rank.get("so_compile_buckets")
+        if counts is None:
+            continue
+        buckets = [(str(b), float(n)) for b, n in zip(COMPILE_BUCKETS_S, counts, strict=True)]
+        buckets.append(("+Inf", float(rank["so_compile_count"])))
+        family.add_metric([str(rank.get("dp_rank", 0))], buckets, rank["so_compile_sum_s"])
+    return family

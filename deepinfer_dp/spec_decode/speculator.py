@@ -80,8 +80,11 @@ def may_draft(params: SamplingParams) -> bool:
     (n-gram, and any deterministic proposer) this IS rejection sampling, lossless: draft j
     is kept with probability p_j(draft), and on rejection the row's token is a draw from
     p_j restricted to the other tokens, renormalised. A proposer with its own draft
-    distribution q (a draft model sampling) needs the general min(1, p/q) test instead."""
-    return not params.needs_history and params.min_tokens == 0
+    distribution q (a draft model sampling) needs the general min(1, p/q) test instead.
+
+    A structured-output request does not draft either: its token mask for row j would need
+    the grammar advanced over the unverified drafts before it."""
+    return not params.needs_history and params.min_tokens == 0 and params.structured_outputs is None
 
 
 def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dict[str, Any]:

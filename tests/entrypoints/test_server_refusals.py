@@ -66,11 +66,19 @@ COMPLETIONS = [  # (body, status, param)
 ]
 
 CHAT = [
-    ({**H, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
-     "response_format"),
-    ({**H, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({**H, "tools": [TOOL]}, 400, "tools"),
-    ({**H, "tool_choice": "required"}, 400, "tool_choice"),
+    ({**H, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     400, "response_format.json_schema.schema"),
+    ({**H, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    ({**H, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({**H, "tools": [TOOL]}, 400, "tool_choice"),  # the default "auto" is not implemented
+    ({**H, "tool_choice": "required"}, 400, "tool_choice"),  # without tools
+    ({**H, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "tool_choice.function.name"),
+    ({**H, "tools": [TOOL], "tool_choice": "required", "stream": True}, 400, "stream"),
+    ({**H, "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs.regex"),
+    ({**H, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ({**H, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
+     "structured_outputs"),
     ({**H, "functions": [TOOL["function"]]}, 400, "functions"),
     ({**H, "function_call": "auto"}, 400, "function_call"),
     ({**H, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),

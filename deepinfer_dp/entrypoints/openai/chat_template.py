@@ -31,26 +31,29 @@ class ChatTokenizer:
             self._plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
             self._plain.encode_special_tokens = True
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """`tools` (OpenAI's function definitions) go to the template, which may show them."""
         if self.tokenizer.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
-            return _as_ids(self._render(messages, tokenize=True))
+            return _as_ids(self._render(messages, tokenize=True, tools=tools))
         if self._plain is None:
             raise TemplateError("message content holds a special-token string, which this (slow) tokenizer "
                                 "cannot keep as plain text")
-        return self._split_ids(messages)
+        return self._split_ids(messages, tools)
 
-    def _render(self, messages: list[dict[str, str]], tokenize: bool):
+    def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None = None):
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
+                                                      tools=tools)
         except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
             raise TemplateError(f"the model's chat template rejected the messages: {e}") from e
 
-    def _split_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None) -> list[int]:
         # Private-use characters: no template rewrites them, and no content is likely to hold them.
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], tokenize=False)
+        rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], tokenize=False,
+                                tools=tools)
         ids: list[int] = []
         pos = 0
         for message, mark in zip(messages, marks, strict=True):

@@ -6,7 +6,8 @@ valid Unicode text (a lone surrogate is refused here, not deep in the tokenizer)
 fields that the server does not implement are declared as `Any` so that unsupported.py can
 refuse them with a message that names them. A few vLLM extensions are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
-include_stop_str_in_output).
+include_stop_str_in_output, structured_outputs). Structured output (response_format,
+structured_outputs, tools) is turned into engine params by structured.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,51 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# ---- structured output and tools ----------------------------------------------------------
+class JsonSchemaFormat(_Request):
+    name: Text
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(None, alias="schema")  # (`schema` would shadow pydantic's)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    json_: dict[Text, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class FunctionDefinition(_Request):
+    name: Text
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class SamplingFields(_Request):
     """The fields shared by both endpoints."""
 
@@ -73,6 +119,8 @@ class SamplingFields(_Request):
     prompt_cache_key: Text | None = None
     service_tier: Any = None  # refused unless "auto" / "default" (unsupported.py)
     store: Any = None  # refused unless false
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -110,10 +158,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # OpenAI fields this server does not implement (refused in unsupported.py unless no-ops)
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
@@ -169,9 +216,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

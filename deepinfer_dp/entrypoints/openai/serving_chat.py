@@ -32,6 +32,7 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     refuse_unsupported,
     stop_strings,
 )
+from deepinfer_dp.entrypoints.openai.structured import structured_params, tool_mode, tools_for_template
 from deepinfer_dp.sampling_params import MAX_LOGPROBS
 
 
@@ -56,6 +57,9 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
     refuse_unsupported(req, unsupported.CHAT)
     check_common(req, ctx.limits)
+    if req.stream and tool_mode(req) is not None:
+        raise bad_request("`stream` with tool calls is not supported by this server: streaming tool calls is not "
+                          "implemented; send stream: false with tools", "stream", "unsupported_parameter")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -66,10 +70,11 @@ def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
     _check_fields(ctx, req)
+    constraint, _ = structured_params(req)  # 400 for a schema, regex or grammar that does not parse
     messages = _messages(req)
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
-        ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages)
+        ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
     except TemplateError as e:
         raise bad_request(str(e), "messages") from e
     stops = stop_strings(req)
@@ -78,7 +83,9 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
                    else (req.max_tokens, "max_tokens"))
     max_tokens = check_prompt(ids, limit, ctx.client, "messages", "messages", name)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [ids], [make_params(req, max_tokens, logprobs, ctx.client.input_processor.vocab_size)], stops
+    params = make_params(req, max_tokens, logprobs, ctx.client.input_processor.vocab_size)
+    params.structured_outputs = constraint
+    return [ids], [params], stops
 
 
 def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
@@ -103,8 +110,13 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
         reasons[ev.index] = ev.finish_reason or reasons[ev.index]
         if logprobs is not None:
             logprobs[ev.index].content += _logprobs(ctx, ev).content
+    tools = tool_mode(req)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]), finish_reason=reasons[i],
                           logprobs=logprobs[i] if logprobs else None) for i in range(req.n)]
+    for choice in choices if tools is not None else []:
+        calls = tools.tool_calls(choice.message.content) if choice.finish_reason == "stop" else None
+        if calls is not None:  # (an answer cut by max_tokens stays text, with finish_reason "length")
+            choice.message, choice.finish_reason = ChatResponseMessage(tool_calls=calls), "tool_calls"
     completion = sum(tokens)
     usage = UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
                       total_tokens=len(prompts[0]) + completion)

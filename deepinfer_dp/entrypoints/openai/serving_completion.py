@@ -31,6 +31,7 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     refuse_unsupported,
     stop_strings,
 )
+from deepinfer_dp.entrypoints.openai.structured import structured_params
 
 
 def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -67,6 +68,7 @@ def _check_fields(ctx: ServingContext, req: CompletionRequest) -> None:
 async def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
     """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
     _check_fields(ctx, req)
+    constraint, _ = structured_params(req)  # 400 for a schema, regex or grammar that does not parse
     prompts = await prompt_token_lists(ctx, req)
     stops = stop_strings(req)
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -76,6 +78,7 @@ async def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
         max_tokens = check_prompt(ids, req.max_tokens, ctx.client, which)
         vocab_size = ctx.client.input_processor.vocab_size
         params.append(make_params(req, max_tokens, req.logprobs, vocab_size, prompt_logprobs))
+        params[-1].structured_outputs = constraint
     return prompts, params, stops
 
 

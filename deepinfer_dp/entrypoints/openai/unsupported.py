@@ -3,8 +3,9 @@ names it, unless its value changes nothing (e.g. `tool_choice: "none"`), so no f
 silently ignored.
 
 One table per endpoint, one line per field: the predicate says which values are no-ops.
-When the server learns a field (structured output, tools...), delete its line here and give
-the field a real type in protocol.py; nothing else refers to these tables.
+When the server learns a field, delete its line here and give the field a real type in
+protocol.py (as response_format, tools and tool_choice have: see structured.py); nothing else
+refers to these tables.
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ def _empty(v: Any) -> bool:
 
 # field -> (values that change nothing, why it is refused)
 CHAT: dict[str, tuple[Noop, str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output (json_object / json_schema) is not implemented; only "
-                        "{\"type\": \"text\"} is accepted"),
-    "tools": (_empty, "tool calling is not implemented"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not implemented; only \"none\" is accepted"),
-    "functions": (_empty, "function calling is not implemented"),
-    "function_call": (lambda v: v is None or v == "none", "function calling is not implemented"),
-    # Without tools there is nothing to call in parallel: any bool is a no-op.
+    "functions": (_empty, "the legacy `functions` are not implemented; use `tools`"),
+    "function_call": (lambda v: v is None or v == "none", "the legacy `function_call` is not implemented; use "
+                      "`tool_choice`"),
+    # Read by structured.py (false: at most one call); only its type is checked here.
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be a boolean"),
     "audio": (_none, "audio output is not implemented"),
     "modalities": (lambda v: v is None or v == ["text"], "only [\"text\"] output is implemented"),
@@ -53,8 +50,8 @@ COMPLETION: dict[str, tuple[Noop, str]] = {
 }
 
 MESSAGE: dict[str, tuple[Noop, str]] = {
-    "tool_calls": (_empty, "tool calling is not implemented"),
-    "tool_call_id": (_none, "tool calling is not implemented"),
+    "tool_calls": (_empty, "sending back an earlier turn's tool calls is not implemented"),
+    "tool_call_id": (_none, "sending back tool results is not implemented"),
     "function_call": (_none, "function calling is not implemented"),
     "audio": (_none, "audio is not implemented"),
     "refusal": (lambda v: v is None or isinstance(v, str), "must be a string"),

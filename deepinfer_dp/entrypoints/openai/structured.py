@@ -1,0 +1,151 @@
+"""Structured output and tool calls of the OpenAI API, turned into engine params.
+
+One request asks for at most one of:
+  - `response_format`: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}} (chat and completions);
+  - `structured_outputs`: vLLM's extension, json / regex / choice / grammar / json_object;
+  - `tools` with `tool_choice` "required" or a named function (chat): the output is JSON
+    constrained to the tools' parameter schemas, answered as OpenAI `tool_calls`.
+Each becomes a StructuredOutputsParams checked by the grammar library here, so a schema,
+regex or grammar it cannot read is a 400 naming the request field, before anything is queued.
+`tool_choice: "auto"` (the model decides, parsed from its text) is not implemented: a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from deepinfer_dp.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    FunctionCall,
+    SamplingFields,
+    ToolCall,
+)
+from deepinfer_dp.entrypoints.openai.serving_engine import bad_request
+from deepinfer_dp.structured_output import backend
+from deepinfer_dp.structured_output.params import StructuredOutputsParams
+
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass
+class ToolMode:
+    """How a tool-call answer is read back: the named function's arguments, or (required) an
+    array of {"name", "parameters"} objects."""
+
+    named: str | None  # the function, for a named tool_choice; None: "required"
+
+    def tool_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls in a finished output, or None when it does not parse (cut by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named is not None:
+            return [ToolCall(function=FunctionCall(name=self.named, arguments=json.dumps(value)))]
+        return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+                for c in value]
+
+
+def structured_params(req: SamplingFields) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
+    """The request's constraint (None: free text) and, for tool calls, how to read the answer."""
+    asked = [name for name in ("response_format", "structured_outputs") if _asks(req, name)]
+    tools = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
+    if tools:
+        asked.append("tool_choice")
+    if len(asked) > 1:
+        raise bad_request(f"{' and '.join(asked)} both constrain the output; send one of them", asked[1])
+    if not asked:
+        return None, None
+    if tools:
+        return _check(_tools_params(req, tools), "tools"), tools
+    if asked[0] == "response_format":
+        return _check(_response_format(req), "response_format.json_schema.schema"), None
+    return _check(_vllm_params(req), f"structured_outputs.{_vllm_kind(req)}"), None
+
+
+def _asks(req: SamplingFields, name: str) -> bool:
+    value = getattr(req, name)
+    return value is not None and not (name == "response_format" and value.type == "text")
+
+
+def _check(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    try:
+        backend.check(params)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param) from e
+    return params
+
+
+def _response_format(req: SamplingFields) -> StructuredOutputsParams:
+    fmt = req.response_format
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None:
+        raise bad_request('response_format of type "json_schema" needs a json_schema object',
+                          "response_format.json_schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_ or ANY_OBJECT)
+
+
+def _vllm_kind(req: SamplingFields) -> str:
+    so = req.structured_outputs
+    return next((k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar), ("json_object", so.json_object)) if v), "json")
+
+
+def _vllm_params(req: SamplingFields) -> StructuredOutputsParams:
+    so = req.structured_outputs
+    try:
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+    except ValueError as e:
+        raise bad_request(str(e), "structured_outputs") from e
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+    """How the answer holds tool calls; None when it is text (no tools, or tool_choice "none")."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise bad_request('`tool_choice` "auto" (the default with tools: the model chooses whether to call one) '
+                          'is not supported by this server; send tool_choice "required" or {"type": "function", '
+                          '"function": {"name": ...}}', "tool_choice", "unsupported_parameter")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+    if choice == "required":
+        return ToolMode(None)
+    if choice.function.name not in names:
+        raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                          "tool_choice.function.name")
+    return ToolMode(choice.function.name)
+
+
+def _tools_params(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutputsParams:
+    for i, tool in enumerate(req.tools):  # each schema on its own, so a 400 names the tool
+        _check(StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT),
+               f"tools.{i}.function.parameters")
+    if mode.named is not None:
+        tool = next(t for t in req.tools if t.function.name == mode.named)
+        return StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT)
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "parameters": t.function.parameters or ANY_OBJECT},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return StructuredOutputsParams(json=array)
+
+
+def tools_for_template(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as the chat template takes them (OpenAI's shape), so the model sees them."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
