@@ -1,0 +1,130 @@
+"""A DP rank's process is killed while 100 streams run on a DP=2 server (the tiny model):
+the survivor's streams finish token-identical to offline generation, the dead rank's end with
+an OpenAI-shaped error naming the rank within 5 s, the launcher starts a new process that
+rejoins the group at full size without restarting the survivor, /health and
+deepinfer:rank_up show the rank down and then up, and a second wave of 100 requests is served
+by both ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+
+from deepinfer_dp.entrypoints.llm import LLM
+from deepinfer_dp.sampling_params import SamplingParams
+
+NUM_STREAMS = 100
+MAX_TOKENS = 256  # long enough that every stream is still running at the kill
+PROMPTS = [f"Request {i} asks about data parallel serving" for i in range(NUM_STREAMS)]
+ERROR_WITHIN_S = 5.0
+BACK_WITHIN_S = 30.0
+KV_GB = 0.06  # room for every stream at once
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[str]:
+    llm = LLM(model_dir, **{**ENGINE_OPTIONS, "kv_cache_memory_gb": KV_GB})
+    texts = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    llm.shutdown()
+    return texts
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> tuple[str, dict | None, float]:
+    """One streamed completion: its text, the error event if one came, and when it ended."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text, error, first = "", None, True
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first:
+                first = False
+                started.put_nowait(prompt)
+            if "error" in event:
+                error = event["error"]
+            else:
+                text += event["choices"][0]["text"]
+    return text, error, time.monotonic()
+
+
+async def _storm_with_kill(url: str, pid: int) -> tuple[list, float]:
+    """Every stream started, then the rank's process is killed; the streams' outcomes."""
+    started: asyncio.Queue = asyncio.Queue()
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+        tasks = [asyncio.create_task(_stream(http, p, started)) for p in PROMPTS]
+        for _ in PROMPTS:  # each has its first token: all are placed and running
+            await started.get()
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        return await asyncio.gather(*tasks), killed_at
+
+
+async def _complete_all(url: str) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+        async def one(prompt: str) -> str:
+            r = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "temperature": 0,
+                                                          "max_tokens": MAX_TOKENS, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        return await asyncio.gather(*[one(p) for p in PROMPTS])
+
+
+def _ranks_up(url: str) -> list[bool]:
+    return [r["up"] for r in httpx.get(url + "/health").json()["ranks"]]
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {rank: float(v) for rank, v in re.findall(rf'^deepinfer:{name}{{dp_rank="(\d)"[^}}]*}} (\S+)$', text, re.M)}
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, expected, ray_cluster):
+    with served(model_dir, dp_size=2, kv_cache_memory_gb=KV_GB) as srv:
+        deployment = srv.client.deployment
+        survivor_pid, old_pid = (i["pid"] for i in deployment.rank_infos())
+        outcomes, killed_at = asyncio.run(_storm_with_kill(srv.url, old_pid))
+
+        failed = [(i, e, t) for i, (_, e, t) in enumerate(outcomes) if e is not None]
+        # round robin placed half of them on rank 1 (all were running): exactly those failed
+        assert len(failed) == NUM_STREAMS // 2
+        for _, error, ended in failed:
+            assert "DP rank 1" in error["message"] and error["type"] == "service_unavailable_error", error
+            assert ended - killed_at < ERROR_WITHIN_S, ended - killed_at
+        survived = [i for i, (_, e, _) in enumerate(outcomes) if e is None]
+        assert [outcomes[i][0] for i in survived] == [expected[i] for i in survived]
+
+        assert _ranks_up(srv.url)[0] is True
+        saw_down = _ranks_up(srv.url)[1] is False or _metric(srv.url, "rank_up").get("1") == 0.0
+        while _ranks_up(srv.url) != [True, True]:
+            assert time.monotonic() - killed_at < BACK_WITHIN_S, httpx.get(srv.url + "/health").json()
+            time.sleep(0.1)
+        assert saw_down  # checked before it came back
+        infos = deployment.rank_infos()
+        assert infos[0]["pid"] == survivor_pid and infos[1]["pid"] != old_pid  # only the dead rank restarted
+        assert _metric(srv.url, "rank_up") == {"0": 1.0, "1": 1.0}
+
+        routed_before = _metric(srv.url, "requests_routed_total")
+        assert asyncio.run(_complete_all(srv.url)) == expected
+        routed_after = _metric(srv.url, "requests_routed_total")
+        assert all(routed_after[r] - routed_before.get(r, 0) == NUM_STREAMS // 2 for r in ("0", "1")), routed_after
