@@ -13,6 +13,7 @@ re-forming after a failure means destroy_dp_groups() and init again on a fresh s
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,9 +66,16 @@ def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: tor
 
 
 def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """A TCPStore server on a free port (store.port); keep the object alive while ranks join."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """A TCPStore server on a free port of `host` only (store.port); keep the object alive
+    while ranks join. TCPStore alone would listen on every interface: it is handed a socket
+    bound here instead (it owns the descriptor from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
 def _make_groups(rank: int, world: int, device: torch.device, timeout_s: float, origin: str) -> DPGroups:
