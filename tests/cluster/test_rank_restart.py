@@ -76,7 +76,18 @@ async def _storm_with_kill(url: str, pid: int) -> tuple[list, float]:
             await started.get()
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        return await asyncio.gather(*tasks), killed_at
+        down = await _seen_down(http)
+        return await asyncio.gather(*tasks), killed_at, down
+
+
+async def _seen_down(http: httpx.AsyncClient) -> bool:
+    """Polls until /health and deepinfer:rank_up both show rank 1 down (pytest's timeout)."""
+    while True:
+        ranks = (await http.get("/health")).json()["ranks"]
+        metrics = (await http.get("/metrics")).text
+        if not ranks[1]["up"] and re.search(r'^deepinfer:rank_up{dp_rank="1"[^}]*} 0\.0$', metrics, re.M):
+            return True
+        await asyncio.sleep(0.05)
 
 
 async def _complete_all(url: str) -> list[str]:
@@ -87,6 +98,33 @@ async def _complete_all(url: str) -> list[str]:
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
         return await asyncio.gather(*[one(p) for p in PROMPTS])
+
+
+async def _traffic_until_whole(url: str, killed_at: float) -> list[tuple[int, str]]:
+    """Streams 8 at a time (the survivor always has work, so the restarted rank's return
+    reaches it mid-wave) until /health shows both ranks up, and a little after; each result
+    with its prompt's index."""
+    results: list[tuple[int, str]] = []
+    whole_at = None
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        async def worker(k: int) -> None:
+            i = k
+            while whole_at is None or time.monotonic() < whole_at + 2.0:
+                started: asyncio.Queue = asyncio.Queue()
+                text, error, _ = await _stream(http, PROMPTS[i], started)
+                assert error is None, error
+                results.append((i, text))
+                i = (i + 8) % NUM_STREAMS
+
+        workers = [asyncio.create_task(worker(k)) for k in range(8)]
+        while whole_at is None:
+            ranks = (await http.get("/health")).json()["ranks"]
+            if all(r["up"] for r in ranks):
+                whole_at = time.monotonic()
+            assert time.monotonic() - killed_at < BACK_WITHIN_S, ranks
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*workers)
+    return results
 
 
 def _ranks_up(url: str) -> list[bool]:
@@ -103,7 +141,8 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
     with served(model_dir, dp_size=2, kv_cache_memory_gb=KV_GB) as srv:
         deployment = srv.client.deployment
         survivor_pid, old_pid = (i["pid"] for i in deployment.rank_infos())
-        outcomes, killed_at = asyncio.run(_storm_with_kill(srv.url, old_pid))
+        outcomes, killed_at, seen_down = asyncio.run(_storm_with_kill(srv.url, old_pid))
+        assert seen_down
 
         failed = [(i, e, t) for i, (_, e, t) in enumerate(outcomes) if e is not None]
         # round robin placed half of them on rank 1 (all were running): exactly those failed
@@ -114,12 +153,10 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
         survived = [i for i, (_, e, _) in enumerate(outcomes) if e is None]
         assert [outcomes[i][0] for i in survived] == [expected[i] for i in survived]
 
-        assert _ranks_up(srv.url)[0] is True
-        saw_down = _ranks_up(srv.url)[1] is False or _metric(srv.url, "rank_up").get("1") == 0.0
-        while _ranks_up(srv.url) != [True, True]:
-            assert time.monotonic() - killed_at < BACK_WITHIN_S, httpx.get(srv.url + "/health").json()
-            time.sleep(0.1)
-        assert saw_down  # checked before it came back
+        # rank 1 comes back while the survivor serves without a pause, results unchanged
+        results = asyncio.run(_traffic_until_whole(srv.url, killed_at))
+        assert _ranks_up(srv.url) == [True, True]
+        assert len(results) > 8 and all(text == expected[i] for i, text in results)
         infos = deployment.rank_infos()
         assert infos[0]["pid"] == survivor_pid and infos[1]["pid"] != old_pid  # only the dead rank restarted
         assert _metric(srv.url, "rank_up") == {"0": 1.0, "1": 1.0}
