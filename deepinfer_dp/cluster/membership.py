@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,6 +79,7 @@ class Membership:
         self.restarts: dict[int, int] = {}  # dp_rank -> restarts started
         self._restarting: set[int] = set()
         self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
 
     def attach(self, addresses: list[str], liveness: Liveness | None) -> None:
         """The ranks of the first group (dp_rank = index)."""
@@ -119,12 +121,17 @@ class Membership:
             return
         with self._lock:
             candidates = [r.dp_rank for r in self.ranks if r.up]
-        dead = [i for i in candidates if not self.liveness.alive(i)]
-        for i in dead:
-            self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
-        with self._lock:
-            for i in dead:
+        # All at once, each dead rank handled as soon as its answer comes: a ping to a busy
+        # rank can take a while, and must not delay failing a dead one's requests.
+        pings = {self._pool.submit(self.liveness.alive, i): i for i in candidates}
+        dead = []
+        for done in as_completed(pings):
+            if not done.result():
+                i = pings[done]
+                dead.append(i)
+                self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
                 self.mark_down(i, f"DP rank {i} died or stopped answering health checks")
+        with self._lock:
             dead += self._kill_stuck()
             up = [r.dp_rank for r in self.ranks if r.up]
             # Every survivor reported a failed vote and nobody died: a retry on a fresh group.
@@ -215,3 +222,4 @@ class Membership:
                     r.send(p.Shutdown())
             for r in self.ranks:
                 r.socket.close(linger=500)
+        self._pool.shutdown(wait=False)
