@@ -77,7 +77,7 @@ class RankActor:
         self._thread = threading.Thread(target=server.serve_or_exit, name=f"dp-rank-{self.dp_rank}", daemon=True)
         self._thread.start()
         return {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "node_id": ray.get_runtime_context().get_node_id()}
 
     def ping(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -141,6 +141,9 @@ class RouterActor:
         return list(self.infos)
 
     def alive(self, dp_rank: int) -> bool:
+        info = self.infos[dp_rank]
+        if info.get("node_id") == ray.get_runtime_context().get_node_id() and not _process_exists(info["pid"]):
+            return False  # on this node a dead process is seen at once, before Ray reports it
         try:
             return bool(ray.get(self.actors[dp_rank].ping.remote(), timeout=10))
         except (ray.exceptions.RayError, TimeoutError):
@@ -277,6 +280,17 @@ class RayDeployment:
         remove_placement_group(self.pg)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _process_exists(pid: int) -> bool:
+    """False once the process is gone or a zombie (killed, not yet reaped by the raylet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc: only Ray's answer counts
+        return True
 
 
 def _wait_for_exit(actor) -> None:
