@@ -45,13 +45,20 @@ def torchrun_env() -> tuple[int, int] | None:
 
 
 def init_dp_groups_from_env(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DPGroups:
-    """Joins the group torchrun describes in the environment (its agent hosts the store)."""
+    """Joins the group torchrun describes in the environment (its agent hosts the store).
+
+    Each attempt of an elastic restart (`torchrun --max-restarts`) gets keys of its own in the
+    store: the previous attempt's are still there, and a rank that read a dead peer's address
+    from them would fail to connect (seen with --standalone)."""
     env = torchrun_env()
     if env is None:
         raise RuntimeError(f"not under torchrun with WORLD_SIZE > 1: need {', '.join(_TORCHRUN_VARS)}")
     rank, world = env
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"deepinfer_dp/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
     return _make_groups(rank, world, device, timeout_s, "torchrun")
 
 
