@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 30.0
+# How long a starting rank waits for all its peers to arrive at the store. Separate from
+# the collective timeout: a peer still loading its model on a busy machine is not a dead one.
+JOIN_TIMEOUT_S = 300.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -63,13 +67,29 @@ def init_dp_groups_from_env(device: torch.device, timeout_s: float = DEFAULT_TIM
 
 
 def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: torch.device,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> DPGroups:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None) -> DPGroups:
     """Joins a group through the TCPStore at host:port. The store must already be served
-    (by a launcher, or by rank 0 before it handed the port out)."""
+    (by a launcher, or by rank 0 before it handed the port out). `join_timeout_s` (default:
+    the collective timeout) bounds the wait for every peer to arrive: at start-up a peer may
+    still be loading its model."""
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    _wait_for_peers(store, world_size, timeout_s if join_timeout_s is None else join_timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return _make_groups(rank, world_size, device, timeout_s, f"{host}:{port}")
+
+
+def _wait_for_peers(store: dist.TCPStore, world_size: int, timeout_s: float) -> None:
+    """Returns once every rank has reached the store, so that Gloo's rendezvous (bounded by
+    the collective timeout) starts with all of them there."""
+    arrived = store.add("deepinfer_dp/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while arrived < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {world_size} DP ranks reached the group's store "
+                               f"within {timeout_s:.0f}s")
+        time.sleep(0.05)
+        arrived = store.add("deepinfer_dp/arrived", 0)
 
 
 def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:

@@ -117,7 +117,7 @@ def test_shutdown_frees_the_dp_group_at_once(tiny_model_dir):
     from deepinfer_dp.engine.step_loop import StepLoop
 
     store = serve_store()
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), torch_threads=1, num_kv_blocks=16))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), torch_threads=1, num_kv_blocks=16, max_model_len=240))
     groups = init_dp_groups(0, 1, "127.0.0.1", store.port, torch.device("cpu"), timeout_s=10)
     engine.lockstep = Lockstep(groups)
     rank = TorchrunRank(groups, StepLoop(engine))
