@@ -22,7 +22,7 @@ from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
 
 NUM_STREAMS = 100
-MAX_TOKENS = 256  # long enough that every stream is still running at the kill
+MAX_TOKENS = 480  # long (the context is 512), so that most streams still run at the kill
 PROMPTS = [f"Request {i} asks about data parallel serving" for i in range(NUM_STREAMS)]
 # The goals are an error within 5 s and the rank back within 30 s; benchmarks/rank_kill.py
 # measures both with its client in a process of its own. Here the server and the 100 streams
@@ -73,11 +73,12 @@ async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) 
 
 
 async def _storm_with_kill(url: str, pid: int) -> tuple[list, float]:
-    """Every stream started, then the rank's process is killed; the streams' outcomes."""
+    """Ten streams have their first token (so rank 1 is mid-stream on several), then the
+    rank's process is killed while the rest are still arriving; the streams' outcomes."""
     started: asyncio.Queue = asyncio.Queue()
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=200)) as http:
         tasks = [asyncio.create_task(_stream(http, p, started)) for p in PROMPTS]
-        for _ in PROMPTS:  # each has its first token: all are placed and running
+        for _ in range(10):
             await started.get()
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -150,8 +151,8 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
         assert seen_down
 
         failed = [(i, e, t) for i, (_, e, t) in enumerate(outcomes) if e is not None]
-        # round robin placed half of them on rank 1 (all were running): exactly those failed
-        assert len(failed) == NUM_STREAMS // 2
+        # those placed on rank 1 before it was found dead failed; later ones went to rank 0
+        assert 0 < len(failed) <= NUM_STREAMS // 2
         for _, error, ended in failed:
             assert "DP rank 1" in error["message"] and error["type"] == "service_unavailable_error", error
             assert ended - killed_at < ERROR_WITHIN_S, ended - killed_at
