@@ -57,7 +57,10 @@ async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) 
             "ignore_eos": True, "stream": True}
     text, error, first = "", None, True
     async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
+        if r.status_code != 200:  # failed before its first token: a 503 in OpenAI's shape
+            assert r.status_code == 503, await r.aread()
+            started.put_nowait(prompt)
+            return "", json.loads(await r.aread())["error"], time.monotonic()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
