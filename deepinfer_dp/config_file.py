@@ -41,6 +41,8 @@ class RouterSection(_Section):
         "round_robin", description="how the router picks a rank for a request")
     collective_timeout_s: float = Field(30.0, gt=0, description="timeout of the lockstep vote; a rank "
                                                                 "silent this long is declared dead")
+    max_rank_restarts: int = Field(3, ge=0, description="times a dead DP rank is restarted (a new process "
+                                                        "that rejoins the group); 0: it stays down")
 
 
 class RaySection(_Section):
@@ -108,7 +110,8 @@ class _DeploymentBase(_Section):
         """Keywords for LLM(dp_options=...) when dp_size > 1 under Ray."""
         return {"policy": self.router.policy, "address": self.ray.address,
                 "strategy": self.ray.placement_strategy,
-                "collective_timeout_s": self.router.collective_timeout_s}
+                "collective_timeout_s": self.router.collective_timeout_s,
+                "max_rank_restarts": self.router.max_rank_restarts}
 
 
 DeploymentConfig = create_model(

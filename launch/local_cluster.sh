@@ -5,7 +5,6 @@
 #   launch/local_cluster.sh [DP_SIZE] [MODEL]      (MODEL: HF dir or .gguf; default SmolLM2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 DP_SIZE="${1:-2}" MODEL="${2:-}" exec python - <<'PY'
 import os
 

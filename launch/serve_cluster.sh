@@ -5,7 +5,6 @@
 #   API_SERVERS=2 launch/serve_cluster.sh configs/smollm2_dp2.yaml --port 8000
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 CONFIG="${1:-configs/smollm2_dp2.yaml}"
 shift || true
 exec python -m deepinfer_dp.entrypoints.openai.launcher --config "$CONFIG" \

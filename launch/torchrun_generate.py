@@ -7,10 +7,16 @@ and rank 0 prints every result in prompt order plus every rank's step counters.
 
 Every rank keeps stepping until the last rank is done (the lockstep vote), so a rank with
 an empty shard runs placeholder steps and all ranks report the same generate_step.
+
+A rank that dies ends the job: its peers' lockstep vote fails (LockstepError) and torchrun
+stops the others. With `torchrun --max-restarts N` torchrun starts every rank again (a new
+group on the same rendezvous) and the job runs from the start; --fail-rank R is the drill
+(rank R dies on the job's first attempt, once its group has formed).
 """
 
 import argparse
 import json
+import os
 
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
@@ -37,6 +43,8 @@ def main() -> None:
                     help="MoE models: each rank holds 1/N of the routed experts")
     ap.add_argument("--all2all-backend", default="all_to_all", help="all_to_all or allgather_reducescatter")
     ap.add_argument("--output", help="rank 0 writes {token_ids, rank_stats} as JSON here")
+    ap.add_argument("--fail-rank", type=int, default=None, help="fault drill: this rank's process dies "
+                    "on the first attempt (TORCHELASTIC_RESTART_COUNT 0) after joining the group")
     args = ap.parse_args()
     prompts = DEFAULT_PROMPTS
     if args.prompts_file:
@@ -49,6 +57,8 @@ def main() -> None:
     if llm.dp is None:
         raise SystemExit("run this under torchrun with --nproc-per-node 2 or more (see the docstring)")
     rank, world = llm.dp.dp_rank, llm.dp.dp_size
+    if rank == args.fail_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os._exit(1)  # as a crash would: no shutdown, no exit handlers
     mine = my_shard(len(prompts), rank, world, args.shard_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs = llm.generate([prompts[i] for i in mine], params, use_tqdm=rank == 0)

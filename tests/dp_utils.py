@@ -66,3 +66,32 @@ def assert_actors_exited_cleanly(pids: list[int], timeout_s: float = 30.0) -> No
         err = "".join(open(f).read() for f in glob.glob(f"{logs}/worker-*-{pid}.err"))
         for sign in ("terminate called", "Aborted", "Fatal Python error", "Traceback"):
             assert sign not in err, f"actor {pid}: {err[-2000:]}"
+
+
+def listening_off_loopback(root_pids: list[int]) -> list[str]:
+    """The TCP listening sockets, of the processes `root_pids` and all their descendants, that
+    are bound to an address other than loopback ("pid name address:port" each)."""
+    import ipaddress
+
+    import psutil
+
+    procs = {}
+    for pid in root_pids:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            procs[proc.pid] = proc
+    found = []
+    for proc in procs.values():
+        try:
+            conns = proc.net_connections(kind="tcp")
+            name = proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        for c in conns:
+            if c.status != psutil.CONN_LISTEN:
+                continue
+            ip = ipaddress.ip_address(c.laddr.ip)
+            mapped = getattr(ip, "ipv4_mapped", None)
+            if not (mapped or ip).is_loopback:
+                found.append(f"{proc.pid} {name} {c.laddr.ip}:{c.laddr.port}")
+    return found

@@ -77,9 +77,24 @@ class FakeLiveness:
     def __init__(self) -> None:
         self.dead: set[int] = set()
         self.killed: list[int] = []
+        self.backend = ""
+        self.restarted: list[FakeRank] = []
+        self.restart_gate = threading.Event()
+        self.restart_error: Exception | None = None
 
     def alive(self, dp_rank: int) -> bool:
         return dp_rank not in self.dead
 
     def kill(self, dp_rank: int) -> None:
         self.killed.append(dp_rank)
+
+    def restart(self, dp_rank: int) -> str:
+        """A new fake rank for `dp_rank` (set `backend` first), once `restart_gate` opens;
+        a set `restart_error` fails the restart instead."""
+        self.restart_gate.wait(10)
+        if self.restart_error is not None:
+            raise self.restart_error
+        rank = FakeRank(dp_rank, self.backend)
+        self.restarted.append(rank)
+        self.dead.discard(dp_rank)
+        return rank.address

@@ -33,9 +33,11 @@ class DPDriver:
     `deployment` has the processes (kill_rank, infos)."""
 
     def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
-                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
+                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
+                 max_rank_restarts: int = 3) -> None:
         self.config = config = per_rank_threads(config)
-        self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host)
+        self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host,
+                                        max_rank_restarts=max_rank_restarts)
         try:
             self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
                                   str(config.model or "default"), host)

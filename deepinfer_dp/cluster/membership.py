@@ -7,8 +7,12 @@ fresh DP group on a new TCPStore served here (a Gloo group cannot be rejoined). 
 alive but stopped voting (frozen) is found because its peers report GroupBroken and it does
 not, for twice the collective timeout.
 
-rank_returned() is the seam for bringing a rank back (a restarted process at a new address):
-it is marked up and the group re-forms at full size, the same Reform the survivors get.
+A dead rank comes back (up to `max_restarts` times per rank): once it is marked down and the
+survivors re-formed, a thread asks the launcher for a new process (Liveness.restart: it loads
+the model and serves with no group) and then calls rank_returned(), which marks it up and
+re-forms the group at full size. The healthy ranks are not restarted: a Reform reaching them
+mid-wave makes them leave the step loop after a step they all agree on (the lockstep's
+regroup flag) and join the new group with their requests intact.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +41,11 @@ class Liveness(Protocol):
 
     def kill(self, dp_rank: int) -> None: ...
 
+    def restart(self, dp_rank: int) -> str:
+        """A new process for a dead rank, loaded and serving with no group; its address.
+        Blocks while it loads; raises when it cannot start."""
+        ...
+
 
 @dataclass
 class RankHandle:
@@ -53,7 +63,8 @@ class RankHandle:
 
 class Membership:
     def __init__(self, ctx: zmq.Context, lock: threading.RLock, waves: Waves, host: str,
-                 collective_timeout_s: float, on_down: Callable[[RankHandle, str], None]) -> None:
+                 collective_timeout_s: float, on_down: Callable[[RankHandle, str], None],
+                 max_restarts: int = 0) -> None:
         self.ranks: list[RankHandle] = []
         self.liveness: Liveness | None = None
         self.group_failures = 0  # GroupBroken reports (a failed lockstep vote on some rank)
@@ -64,6 +75,11 @@ class Membership:
         self._broken_since: float | None = None  # first GroupBroken not yet resolved by a re-form
         self._broken_ranks: set[int] = set()
         self._reform_wave = -1  # GroupBroken from before the latest re-form is already handled
+        self.max_restarts = max_restarts
+        self.restarts: dict[int, int] = {}  # dp_rank -> restarts started
+        self._restarting: set[int] = set()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
 
     def attach(self, addresses: list[str], liveness: Liveness | None) -> None:
         """The ranks of the first group (dp_rank = index)."""
@@ -105,18 +121,54 @@ class Membership:
             return
         with self._lock:
             candidates = [r.dp_rank for r in self.ranks if r.up]
-        dead = [i for i in candidates if not self.liveness.alive(i)]
-        for i in dead:
-            self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
-        with self._lock:
-            for i in dead:
+        # All at once, each dead rank handled as soon as its answer comes: a ping to a busy
+        # rank can take a while, and must not delay failing a dead one's requests.
+        pings = {self._pool.submit(self.liveness.alive, i): i for i in candidates}
+        dead = []
+        for done in as_completed(pings):
+            if not done.result():
+                i = pings[done]
+                dead.append(i)
+                self.liveness.kill(i)  # gone, or frozen: make sure it never comes back half-way
                 self.mark_down(i, f"DP rank {i} died or stopped answering health checks")
+        with self._lock:
             dead += self._kill_stuck()
             up = [r.dp_rank for r in self.ranks if r.up]
             # Every survivor reported a failed vote and nobody died: a retry on a fresh group.
             all_broken = self._broken_since is not None and set(up) <= self._broken_ranks
             if up and (dead or all_broken):
                 self._reform()
+            self._start_restarts()
+
+    def _start_restarts(self) -> None:
+        """A thread per down rank that may still restart (it loads a model: not here)."""
+        for r in self.ranks:
+            i = r.dp_rank
+            if r.up or i in self._restarting or self._closed or self.restarts.get(i, 0) >= self.max_restarts:
+                continue
+            self._restarting.add(i)
+            self.restarts[i] = self.restarts.get(i, 0) + 1
+            r.down_reason += f"; restarting ({self.restarts[i]} of {self.max_restarts})"
+            threading.Thread(target=self._restart, args=(i,), name=f"restart-rank-{i}", daemon=True).start()
+
+    def _restart(self, dp_rank: int) -> None:
+        started = time.monotonic()
+        try:
+            address = self.liveness.restart(dp_rank)
+        except Exception as e:  # the next check tries again while restarts remain
+            logger.exception("DP rank %d: restarting it failed", dp_rank)
+            with self._lock:
+                self.ranks[dp_rank].down_reason += f"; the restart failed: {type(e).__name__}: {e}"
+                self._restarting.discard(dp_rank)
+            return
+        with self._lock:
+            self._restarting.discard(dp_rank)
+            if self._closed:
+                self.liveness.kill(dp_rank)
+                return
+            logger.warning("DP rank %d restarted in %.1fs; re-forming at full size", dp_rank,
+                           time.monotonic() - started)
+            self.rank_returned(dp_rank, address)
 
     def _kill_stuck(self) -> list[int]:
         """Ranks alive but silent while their peers' votes failed, for twice the timeout."""
@@ -164,8 +216,10 @@ class Membership:
     def close(self) -> None:
         """Asks every rank that is up to shut down, and closes the sockets."""
         with self._lock:
+            self._closed = True
             for r in self.ranks:
                 if r.up:
                     r.send(p.Shutdown())
             for r in self.ranks:
                 r.socket.close(linger=500)
+        self._pool.shutdown(wait=False)

@@ -12,6 +12,11 @@ Inside a wave the rank runs the step loop (engine/step_loop.py), taking new mess
 steps. A request the engine refuses is answered with Rejected, and any other failure while
 admitting one request fails that request only; a failure of the loop itself ends the rank's
 thread, which the launcher's health check sees (the rank is then killed and marked down).
+
+A Reform that arrives mid-wave (a restarted rank returns, the group grows back) is not a
+failure: the rank asks its lockstep to regroup, every rank leaves the step loop after the same
+step, and they join the new group with their requests intact. A restarted rank starts with no
+group at all (`group_timeout_s` and `device` are then what its first Reform is joined with).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.distributed import LockstepError, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp_groups, init_dp_groups
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
@@ -31,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 
 class RankServer:
-    def __init__(self, engine: LLMEngine, dp_rank: int, router_addr: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, engine: LLMEngine, dp_rank: int, router_addr: str, host: str = "127.0.0.1",
+                 group_timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.group_timeout_s = group_timeout_s
         self.loop = StepLoop(engine)
         self.dp_rank = dp_rank
         self.wave = 0
@@ -89,6 +96,9 @@ class RankServer:
             self._send(p.GroupBroken(self.dp_rank, self.wave, cause or str(e), lost))
             self._await_reform()
             return
+        except RegroupRequested:
+            self._await_reform()  # the group agreed to move; nothing was lost
+            return
         self._send(p.WaveDone(self.dp_rank, self.wave))
         self.wave += 1
         self.waves_run += 1
@@ -122,6 +132,8 @@ class RankServer:
             self._reform = msg
             if idle:
                 return self._apply_reform()
+            if self.engine.lockstep is not None:
+                self.engine.lockstep.request_regroup()  # mid-wave: leave at a step all agree on
         elif isinstance(msg, p.Shutdown):
             self._stop = True
         return None
@@ -157,10 +169,9 @@ class RankServer:
         """Joins the fresh group; the engine's own requests survive (the failed collective
         was the vote, before any step), so a rank with work starts a wave right away."""
         r, self._reform = self._reform, None
-        old = self.engine.lockstep
         destroy_dp_groups()
-        groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, old.groups.device,
-                                old.groups.timeout_s)
+        groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, self.engine.device,
+                                self.group_timeout_s)
         self.engine.join_dp_group(groups)
         self.wave = r.wave
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -28,6 +29,7 @@ from deepinfer_dp.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 RAY_TEMP_DIR = "/tmp/ray_dp"
+LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 600.0  # model load on every rank, GGUF conversion on a cold cache included
 STOP_TIMEOUT_S = 30.0
 
@@ -43,26 +45,40 @@ class RankActor:
         self._thread: threading.Thread | None = None
 
     def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
-        from deepinfer_dp.cluster.rank import RankServer
+        """Loads the engine, joins the first DP group and serves."""
         from deepinfer_dp.distributed import init_dp_groups
-        from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
         from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
+
+        engine = self._load()  # load first: the group timeout should not count it
+        groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
+                                engine.device, timeout_s, JOIN_TIMEOUT_S)
+        engine.join_dp_group(groups)
+        return self._serve(engine, router_addr, timeout_s, host)
+
+    def rejoin(self, router_addr: str, timeout_s: float, host: str) -> dict:
+        """A restarted rank: loads the engine and serves with no group; the router's Reform
+        (sent when it takes the rank back) makes it join the others'."""
+        return self._serve(self._load(), router_addr, timeout_s, host)
+
+    def _load(self):
+        from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
         from deepinfer_dp.engine.llm_engine import LLMEngine
 
         cpus = rank_cpus(self.dp_rank, self.world_size) if self.config.torch_device().type == "cpu" else None
         if cpus is not None:  # before the engine starts its device and OpenMP threads
             bind_this_process(cpus)
-        engine = LLMEngine(self.config)  # load first: the group timeout should not count it
-        groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
-                                engine.device, timeout_s, JOIN_TIMEOUT_S)
-        engine.join_dp_group(groups)
+        return LLMEngine(self.config)
+
+    def _serve(self, engine, router_addr: str, timeout_s: float, host: str) -> dict:
+        from deepinfer_dp.cluster.rank import RankServer
+
         if host not in ("127.0.0.1", "localhost"):  # multi-node: bind this node's address
             host = ray.util.get_node_ip_address()
-        server = RankServer(engine, self.dp_rank, router_addr, host)
+        server = RankServer(engine, self.dp_rank, router_addr, host, group_timeout_s=timeout_s)
         self._thread = threading.Thread(target=server.serve_or_exit, name=f"dp-rank-{self.dp_rank}", daemon=True)
         self._thread.start()
         return {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "node_id": ray.get_runtime_context().get_node_id()}
 
     def ping(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -74,29 +90,61 @@ class RankActor:
         return self._thread is None or not self._thread.is_alive()
 
 
+@dataclasses.dataclass
+class RankSpec:
+    """How to start a rank actor: the deployment's first ranks and a restarted one alike."""
+
+    config: dict
+    pg: Any
+    dp_size: int
+    cpus_per_rank: float
+    gpus: int
+    host: str
+    timeout_s: float
+
+    def create(self, dp_rank: int):
+        return ray.remote(RankActor).options(
+            num_cpus=self.cpus_per_rank, num_gpus=self.gpus, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, dp_rank),
+        ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size)
+
+
 class RouterActor:
     """The router process (cluster/router.py) as a Ray actor, with the rank actors as its
-    Liveness. It also serves the store the first DP group forms on."""
+    Liveness: it checks them, kills them, and starts a new one in a dead rank's bundle. It
+    also serves the store the first DP group forms on."""
 
-    def __init__(self, policy: str, host: str, collective_timeout_s: float) -> None:
+    def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int) -> None:
         from deepinfer_dp.cluster.policies import make_policy
         from deepinfer_dp.cluster.router import Router
         from deepinfer_dp.distributed.groups import serve_store
 
-        self.router = Router(make_policy(policy), host, collective_timeout_s)
+        self.router = Router(make_policy(policy), host, collective_timeout_s, max_rank_restarts=max_rank_restarts)
         self.store = serve_store(host, collective_timeout_s)
         self.actors: list = []
+        self.infos: list[dict] = []
+        self.spec: RankSpec | None = None
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
                 "store_port": self.store.port, "pid": os.getpid()}
 
-    def attach_ranks(self, addresses: list[str], actors: list) -> None:
-        self.actors = actors
-        self.router.attach_ranks(addresses, liveness=self)
+    def attach_ranks(self, spec: RankSpec, infos: list[dict], actors: list) -> None:
+        self.spec, self.infos, self.actors = spec, list(infos), list(actors)
+        self.router.attach_ranks([i["address"] for i in infos], liveness=self)
         self.router.start()
 
+    def rank_actors(self) -> list:
+        return list(self.actors)
+
+    def rank_infos(self) -> list[dict]:
+        """The ranks' (address, pid, ...) now: a restarted rank has a new process."""
+        return list(self.infos)
+
     def alive(self, dp_rank: int) -> bool:
+        info = self.infos[dp_rank]
+        if info.get("node_id") == ray.get_runtime_context().get_node_id() and not _process_exists(info["pid"]):
+            return False  # on this node a dead process is seen at once, before Ray reports it
         try:
             return bool(ray.get(self.actors[dp_rank].ping.remote(), timeout=10))
         except (ray.exceptions.RayError, TimeoutError):
@@ -105,25 +153,57 @@ class RouterActor:
     def kill(self, dp_rank: int) -> None:
         ray.kill(self.actors[dp_rank], no_restart=True)
 
+    def restart(self, dp_rank: int) -> str:
+        """A new rank actor in the dead one's bundle, loaded and serving with no group; its
+        address (the router then takes it back with a Reform at full size)."""
+        actor = self.spec.create(dp_rank)
+        self.actors[dp_rank] = actor  # from now on, alive() and kill() mean this one
+        try:
+            info = ray.get(actor.rejoin.remote(self.router.backend_address, self.spec.timeout_s, self.spec.host),
+                           timeout=START_TIMEOUT_S)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        self.infos[dp_rank] = info
+        return info["address"]
+
     def stop(self) -> None:
         self.router.close()
 
 
 def ensure_ray(address: str, num_cpus: int) -> bool:
-    """Connects to Ray; returns True if this call started a private local instance."""
+    """Connects to Ray; returns True if this call started a private local instance.
+
+    A private instance ("local") listens on 127.0.0.1 only, every process of it (GCS, raylet,
+    agents, workers), like the project's own sockets; nothing outside the machine can reach it,
+    so it runs without Ray's token authentication. Joining a cluster ("auto" or an address)
+    uses Ray's token authentication (launch/ray_head.sh makes the token)."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with _keep_signal_handlers():
         if address == "local":
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            _loopback_only()
             # Ray starts workers at nice 15 by default; ranks are the work itself, not helpers,
             # and a deprioritized rank slows every rank (lockstep).
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address=LOOPBACK,
                      object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
             return True
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=address)
         return False
+
+
+def _loopback_only() -> None:
+    """Ray takes 127.0.0.1 as "this node" only when it is told the node is not part of a
+    cluster (its switch for single-machine platforms): then its gRPC servers bind loopback
+    instead of every interface. The processes Ray starts read the variable; this one has
+    already imported Ray's constants, so they are set too."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @contextlib.contextmanager
@@ -147,7 +227,7 @@ class RayDeployment:
 
     def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
                  strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cpus_per_rank: float = 1.0) -> None:
+                 cpus_per_rank: float = 1.0, max_rank_restarts: int = 3) -> None:
         dp_size = config.dp_size
         self.owns_ray = ensure_ray(address, max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999)))
         gpus = 1 if config.torch_device().type == "cuda" else 0
@@ -155,19 +235,17 @@ class RayDeployment:
         self.pg = placement_group([dict(bundle) for _ in range(dp_size)], strategy=strategy.upper())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(num_cpus=0, scheduling_strategy=here).remote(
-            policy, host, collective_timeout_s)
+            policy, host, collective_timeout_s, max_rank_restarts)
         self.ranks: list = []
         try:
             ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
             addrs = ray.get(self.router.addresses.remote(), timeout=START_TIMEOUT_S)
             cfg = {**dataclasses.asdict(config), "device": _rank_device(config)}
-            actor = ray.remote(RankActor)
-            self.ranks = [actor.options(num_cpus=cpus_per_rank, num_gpus=gpus, max_restarts=0,
-                                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
-                          .remote({**cfg, "dp_rank": i}, i, dp_size) for i in range(dp_size)]
+            spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s)
+            self.ranks = [spec.create(i) for i in range(dp_size)]
             self.infos = ray.get([a.start.remote(host, addrs["store_port"], addrs["backend"], collective_timeout_s,
                                                  host) for a in self.ranks], timeout=START_TIMEOUT_S)
-            ray.get(self.router.attach_ranks.remote([i["address"] for i in self.infos], self.ranks))
+            ray.get(self.router.attach_ranks.remote(spec, self.infos, self.ranks))
         except BaseException as e:
             self.shutdown()  # a rank failed to start (bad model path...): leave nothing behind
             cause = getattr(e, "cause", None)  # a RayTaskError carries the rank's own exception
@@ -179,9 +257,17 @@ class RayDeployment:
 
     def kill_rank(self, dp_rank: int) -> None:
         """Kills a rank's process at once, as a crash would (tests, fault drills)."""
-        ray.kill(self.ranks[dp_rank], no_restart=True)
+        ray.kill(ray.get(self.router.rank_actors.remote())[dp_rank], no_restart=True)
+
+    def rank_infos(self) -> list[dict]:
+        """The ranks' (address, pid, ...) as they are now (`infos` are the first processes)."""
+        return ray.get(self.router.rank_infos.remote(), timeout=STOP_TIMEOUT_S)
 
     def shutdown(self) -> None:
+        try:  # the ranks as they are now: a restarted rank is a new actor
+            self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S) or self.ranks
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
         try:
             ray.get(self.router.stop.remote(), timeout=STOP_TIMEOUT_S)  # sends Shutdown to the ranks
         except (ray.exceptions.RayError, TimeoutError):
@@ -195,6 +281,17 @@ class RayDeployment:
         remove_placement_group(self.pg)
         if self.owns_ray:
             ray.shutdown()
+
+
+def _process_exists(pid: int) -> bool:
+    """False once the process is gone or a zombie (killed, not yet reaped by the raylet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc: only Ray's answer counts
+        return True
 
 
 def _wait_for_exit(actor) -> None:

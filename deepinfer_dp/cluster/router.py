@@ -43,7 +43,8 @@ class _Client:
 
 class Router:
     def __init__(self, policy: RoutingPolicy, host: str = "127.0.0.1", collective_timeout_s: float = 30.0,
-                 health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+                 health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
+                 max_rank_restarts: int = 0) -> None:
         self.policy = policy
         self.host = host
         self._ctx = zmq.Context()
@@ -54,7 +55,7 @@ class Router:
         self._lock = threading.RLock()
         self.waves = Waves()
         self.membership = Membership(self._ctx, self._lock, self.waves, host, collective_timeout_s,
-                                     on_down=self._fail_requests_of)
+                                     on_down=self._fail_requests_of, max_restarts=max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
         self._requests: dict[str, tuple[str, int]] = {}  # request id -> (client id, dp rank)

@@ -7,7 +7,7 @@ from deepinfer_dp.distributed.groups import (
     init_dp_groups_from_env,
     torchrun_env,
 )
-from deepinfer_dp.distributed.lockstep import Lockstep, LockstepError
+from deepinfer_dp.distributed.lockstep import Lockstep, LockstepError, RegroupRequested
 
-__all__ = ["DPGroups", "Lockstep", "LockstepError", "destroy_dp_groups", "init_dp_groups",
+__all__ = ["DPGroups", "Lockstep", "LockstepError", "RegroupRequested", "destroy_dp_groups", "init_dp_groups",
            "init_dp_groups_from_env", "torchrun_env"]

@@ -13,6 +13,7 @@ re-forming after a failure means destroy_dp_groups() and init again on a fresh s
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,13 +49,20 @@ def torchrun_env() -> tuple[int, int] | None:
 
 
 def init_dp_groups_from_env(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> DPGroups:
-    """Joins the group torchrun describes in the environment (its agent hosts the store)."""
+    """Joins the group torchrun describes in the environment (its agent hosts the store).
+
+    Each attempt of an elastic restart (`torchrun --max-restarts`) gets keys of its own in the
+    store: the previous attempt's are still there, and a rank that read a dead peer's address
+    from them would fail to connect (seen with --standalone)."""
     env = torchrun_env()
     if env is None:
         raise RuntimeError(f"not under torchrun with WORLD_SIZE > 1: need {', '.join(_TORCHRUN_VARS)}")
     rank, world = env
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"deepinfer_dp/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
     return _make_groups(rank, world, device, timeout_s, "torchrun")
 
 
@@ -85,9 +93,16 @@ def _wait_for_peers(store: dist.TCPStore, world_size: int, timeout_s: float) -> 
 
 
 def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """A TCPStore server on a free port (store.port); keep the object alive while ranks join."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """A TCPStore server on a free port of `host` only (store.port); keep the object alive
+    while ranks join. TCPStore alone would listen on every interface: it is handed a socket
+    bound here instead (it owns the descriptor from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
 def _make_groups(rank: int, world: int, device: torch.device, timeout_s: float, origin: str) -> DPGroups:

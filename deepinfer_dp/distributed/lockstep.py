@@ -4,6 +4,12 @@ Every rank calls vote() once per loop iteration, so all ranks take the same numb
 (a rank without work runs placeholder steps). A dead or stuck peer makes the collective fail
 within the group's timeout; vote() turns that into a LockstepError that names this rank, its
 peers and the timeout, instead of Gloo's bare message.
+
+A group that is fine is left on purpose the same way every rank leaves a wave: by the vote.
+A rank told to move to a new group (request_regroup) sets a flag in its votes; the vote whose
+MAX first carries it is the last one, every rank steps once more and its next vote() raises
+RegroupRequested before starting a collective. So all ranks leave after the same step, even
+the ones that vote ahead (they learn that result at their next vote).
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ class LockstepError(RuntimeError):
     """The DP group is broken: a peer died or stopped voting. Re-form on a fresh store."""
 
 
+class RegroupRequested(Exception):
+    """Every rank of the group agreed, by their last vote, to leave the step loop for a new
+    group (a restarted rank returns): the group is whole, nothing failed."""
+
+
 class Lockstep:
     def __init__(self, groups: DPGroups, use_cpu_group: bool = True) -> None:
         """use_cpu_group: vote over Gloo on a host tensor (ZOS on: no device sync); else
@@ -28,15 +39,21 @@ class Lockstep:
         self.use_cpu_group = use_cpu_group
         self._group = groups.cpu_group if use_cpu_group else groups.device_group
         device = torch.device("cpu") if use_cpu_group else groups.device
-        # [unfinished, arrival time in us]: the MAX of the arrival is when the last rank came,
+        # [unfinished, arrival time in us, regroup]: the MAX of the arrival is when the last rank came,
         # which splits the vote's time into waiting for peers and the collective itself at
         # no extra cost (CLOCK_MONOTONIC is shared by the processes of one machine only).
-        self._buf = torch.zeros(2, dtype=torch.int64, device=device)
+        self._buf = torch.zeros(3, dtype=torch.int64, device=device)
         self.num_votes = 0
         self.allreduce_time_s = 0.0  # wall time inside the vote, waiting for peers included
         self.allreduce_wait_s = 0.0  # of which: until the last rank arrived (load imbalance)
         self.broken: LockstepError | None = None
         self._pending: tuple | None = None  # (work, buffer, arrival) of a vote not waited for yet
+        self._regroup_local = False  # this rank was told to move to a new group
+        self._regroup_agreed = False  # a completed vote's MAX carried some rank's regroup flag
+
+    def request_regroup(self) -> None:
+        """Leave the step loop for a new group at a step every rank agrees on (see the top)."""
+        self._regroup_local = True
 
     def vote(self, local: bool) -> bool:
         """True if this rank or any peer has unfinished work.
@@ -51,9 +68,12 @@ class Lockstep:
         start = time.perf_counter()
         try:
             self._finish_pending()
+            if self._regroup_agreed:
+                raise RegroupRequested(f"DP rank {self.groups.rank}: the group moves to a new one")
             arrival_us = time.monotonic_ns() // 1000
             ahead = local and self.use_cpu_group
-            values = torch.tensor([int(local), arrival_us])  # a fresh buffer: a vote may be in flight
+            # a fresh buffer: a vote may be in flight
+            values = torch.tensor([int(local), arrival_us, int(self._regroup_local)])
             buf = values if self.use_cpu_group else self._buf.copy_(values)
             work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=ahead)
             if ahead:
@@ -79,7 +99,8 @@ class Lockstep:
             self._record(buf, None)
 
     def _record(self, buf: torch.Tensor, arrival_us: int | None) -> int:
-        unfinished, last_arrival_us = buf.tolist()
+        unfinished, last_arrival_us, regroup = buf.tolist()
+        self._regroup_agreed = self._regroup_agreed or bool(regroup)
         if arrival_us is not None:  # a blocking vote waited until the last rank arrived
             self.allreduce_wait_s += (last_arrival_us - arrival_us) / 1e6
         self.num_votes += 1

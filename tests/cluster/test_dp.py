@@ -13,7 +13,17 @@ import sys
 import time
 
 import pytest
-from dp_utils import ENGINE, GREEDY, MAX_TOKENS, PROMPTS, first_ranks, outcome, submit_all, token_ids
+from dp_utils import (
+    ENGINE,
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    first_ranks,
+    listening_off_loopback,
+    outcome,
+    submit_all,
+    token_ids,
+)
 
 from deepinfer_dp.engine.client import RankFailed
 from deepinfer_dp.sampling_params import SamplingParams
@@ -24,7 +34,7 @@ def ray_llm(tiny_model_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_model_dir), decode_sequence=False, dp_size=2,
-              dp_options={"collective_timeout_s": 10}, **ENGINE)
+              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **ENGINE)
     assert llm.llm_engine is None and llm.dp.dp_size == 2  # the engines are in the rank actors
     yield llm
     llm.shutdown()
@@ -119,6 +129,17 @@ def test_engine_client_stream_and_early_close_aborts(ray_llm):
     while sum(h["inflight"] for h in router.health()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [(h["up"], h["inflight"]) for h in router.health()] == [(True, 0), (True, 0)]
+
+
+def test_ray_and_the_deployment_listen_on_loopback_only(ray_llm):
+    """GCS, raylet, agents, workers (the router and the ranks among them) and this driver:
+    no listening socket on another address (the psutil view of `ss -ltnp`). The private Ray
+    instance was started by this process, so all of them descend from it."""
+    import ray
+
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert ray_llm.dp.router is not None  # the deployment is up: router and rank actors
+    assert listening_off_loopback([os.getpid()]) == []
 
 
 def test_killed_rank_fails_its_requests_and_the_survivor_keeps_serving(ray_llm, dp1_token_ids):

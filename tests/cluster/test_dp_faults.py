@@ -19,7 +19,7 @@ def dp2(tiny_model_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_model_dir), dp_size=2, num_kv_blocks=64, torch_threads=1,
-              dp_options={"collective_timeout_s": 5})
+              dp_options={"collective_timeout_s": 5, "max_rank_restarts": 0})
     yield llm
     llm.shutdown()
 

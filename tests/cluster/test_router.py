@@ -28,6 +28,7 @@ def cluster(num_ranks: int = 2, policy=None, **router_options):
     router = Router(policy or RoundRobin(), health_interval_s=0.1, **router_options)
     ranks = [FakeRank(i, router.backend_address) for i in range(num_ranks)]
     liveness = FakeLiveness()
+    liveness.backend = router.backend_address
     router.attach_ranks([r.address for r in ranks], liveness)
     router.start()
     clients: list[RouterClient] = []
@@ -133,6 +134,45 @@ def test_dead_rank_fails_its_requests_the_group_reforms_and_a_rank_can_come_back
                 assert _outcome(q)[1].finish_reason == "length"
         finally:
             back.close()
+
+
+def test_a_dead_rank_is_restarted_and_rejoins_at_full_size():
+    """max_rank_restarts: the router asks the launcher for a new process (Liveness.restart)
+    once the rank is down and the survivor re-formed; a failed restart is tried again, and
+    past the limit the rank stays down."""
+    with cluster(max_rank_restarts=2) as (router, ranks, liveness, new_client):
+        c = new_client()
+        liveness.restart_error = RuntimeError("no room for the rank")
+        liveness.dead.add(1)
+        assert ranks[0].next_message(p.Reform).world_size == 1  # the survivor alone, first
+        liveness.restart_gate.set()
+        deadline = time.monotonic() + 10
+        while router.membership.restarts.get(1, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        liveness.restart_error = None  # too late: both restarts were used
+        time.sleep(0.5)
+        assert liveness.restarted == [] and [h["up"] for h in c.health()] == [True, False]
+        assert "the restart failed: RuntimeError: no room for the rank" in c.health()[1]["reason"]
+
+    with cluster(max_rank_restarts=1) as (router, ranks, liveness, new_client):
+        c = new_client()
+        liveness.dead.add(1)
+        assert ranks[0].next_message(p.Reform).world_size == 1
+        assert "restarting (1 of 1)" in c.health()[1]["reason"]
+        liveness.restart_gate.set()
+        try:
+            assert ranks[0].next_message(p.Reform).world_size == 2  # the healthy rank is not restarted
+            (back,) = liveness.restarted
+            reform = back.next_message(p.Reform)
+            assert (reform.group_rank, reform.world_size) == (1, 2)
+            assert [h["up"] for h in c.health()] == [True, True]
+            outcomes = [queue.Queue() for _ in range(2)]
+            for i, q in enumerate(outcomes):
+                c.submit(f"again{i}", [1], PARAMS, q.put)
+            assert sorted(_outcome(q)[1].dp_rank for q in outcomes) == [0, 1]  # routed to it again
+        finally:
+            for r in liveness.restarted:
+                r.close()
 
 
 def test_stats_rpc_answers_for_every_rank_even_a_silent_one():

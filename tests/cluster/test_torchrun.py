@@ -16,11 +16,12 @@ from dp_utils import GREEDY, MAX_TOKENS, PROMPTS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(model_dir: Path, shard_sizes: str, out: Path, check: bool = True) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(model_dir: Path, shard_sizes: str, out: Path, check: bool = True,
+              torchrun_args: tuple[str, ...] = (), args: tuple[str, ...] = ()) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *torchrun_args,
            str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir),
            "--shard-sizes", shard_sizes, "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64",
-           "--max-num-seqs", "2", "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
+           "--max-num-seqs", "2", "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")), *args]
     out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
     # Its own process group, so a timeout ends torchrun's rank processes too, not only torchrun.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -52,6 +53,18 @@ def test_torchrun_lockstep(tiny_model_dir, dp1_token_ids, tmp_path, shard_sizes)
     if shard_sizes == "8,0":
         assert rank1["prompt_tokens"] == 0
         assert rank1["placeholder_steps"] == rank1["generate_step"]
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_reruns_the_job_after_a_rank_dies(tiny_model_dir, dp1_token_ids, tmp_path):
+    """Rank 1 dies on the first attempt; torchrun's elastic restart starts both ranks again
+    and the job's results are complete and equal to DP=1."""
+    out = tmp_path / "out.json"
+    returncode, stderr = _torchrun(tiny_model_dir, "4,4", out, torchrun_args=("--max-restarts", "1"),
+                                   args=("--fail-rank", "1"))
+    _clean_exit(returncode, stderr)
+    assert "(exitcode: 1) local_rank: 1" in stderr  # the first attempt did fail: the job was restarted
+    assert json.loads(out.read_text())["token_ids"] == dp1_token_ids
 
 
 @pytest.mark.slow

@@ -114,7 +114,7 @@ def ray_ep(moe_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(moe_dir), decode_sequence=False, dp_size=2, enable_expert_parallel=True,
-              dp_options={"collective_timeout_s": 10}, **ENGINE)
+              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **ENGINE)
     yield llm
     llm.shutdown()
 
