@@ -86,11 +86,16 @@ def tiny_config(kind: str, vocab_size: int) -> PretrainedConfig:
 
 def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> Path:
     """Writes a tiny random model of `kind` (weights + tokenizer) to `path`, once."""
+    return write_tiny_model(lambda vocab_size: tiny_config(kind, vocab_size=vocab_size), path, seed)
+
+
+def write_tiny_model(make_config, path: str | os.PathLike, seed: int = 0) -> Path:
+    """Writes a random model of `make_config(vocab_size)` with the tiny tokenizer to `path`, once."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
     tokenizer = build_tiny_tokenizer()
-    config = tiny_config(kind, vocab_size=len(tokenizer))
+    config = make_config(len(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

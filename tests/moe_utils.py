@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from model_utils import build_metadata, build_tiny_tokenizer, step_positions  # noqa: E402
+from model_utils import build_metadata, step_positions, write_tiny_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     MixtralConfig,
@@ -55,24 +55,7 @@ def tiny_moe_config(kind: str, vocab_size: int) -> PretrainedConfig:
 
 def build_tiny_moe(kind: str, path: str | os.PathLike, seed: int = 0) -> Path:
     """Writes a tiny random MoE model of `kind` (weights + tokenizer) to `path`, once."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    tokenizer = build_tiny_tokenizer()
-    config = tiny_moe_config(kind, vocab_size=len(tokenizer))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # transformers zeroes biases and sets norm weights to one; randomize them so that
-        # the bias and norm paths are really tested.
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return write_tiny_model(lambda vocab_size: tiny_moe_config(kind, vocab_size=vocab_size), path, seed)
 
 
 def load_oracle(model_dir: str | os.PathLike):
