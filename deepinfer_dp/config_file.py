@@ -65,12 +65,17 @@ class ServerSection(_Section):
                                                               "(server-wide) before new ones get 503")
     chat_special_tokens_as_text: bool = Field(True, description="special-token strings typed in chat "
                                                                 "content stay text (not control tokens)")
+    enable_auto_tool_choice: bool = Field(False, description="serve tool_choice \"auto\" (the default with "
+                                                             "tools): read tool calls out of free text")
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="the format the model writes tool calls "
+                                                "in: hermes = <tool_call>{...}</tool_call> (Qwen2.5/Qwen3, Hermes)")
 
     def limits(self):
         from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
-                            self.chat_special_tokens_as_text)
+                            self.chat_special_tokens_as_text,
+                            self.tool_call_parser if self.enable_auto_tool_choice else None)
 
 
 class MetricsSection(_Section):

@@ -70,11 +70,10 @@ CHAT = [
      400, "response_format.json_schema.schema"),
     ({**H, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     ({**H, "response_format": {"type": "xml"}}, 400, "response_format"),
-    ({**H, "tools": [TOOL]}, 400, "tool_choice"),  # the default "auto" is not implemented
+    ({**H, "tools": [TOOL]}, 400, "tool_choice"),  # the default "auto" needs --enable-auto-tool-choice
     ({**H, "tool_choice": "required"}, 400, "tool_choice"),  # without tools
     ({**H, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
      "tool_choice.function.name"),
-    ({**H, "tools": [TOOL], "tool_choice": "required", "stream": True}, 400, "stream"),
     ({**H, "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs.regex"),
     ({**H, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
     ({**H, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
@@ -97,7 +96,9 @@ CHAT = [
     ({**H, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages"),
     ({**H, "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 400,
-     "messages.1.tool_calls"),
+     "messages.1.tool_calls.0.function"),
+    ({**H, "messages": [USER, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]}, 400, "messages.1.tool_calls.0.function.arguments"),
     ({**H, "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content"),
     ({**H, "n": 7}, 400, "n"),
 ]
@@ -187,6 +188,9 @@ def test_unknown_routes_and_methods_answer_json(server):
                               "safety_identifier": "s", "prompt_cache_key": "p"}),
     ("/v1/chat/completions", {**H, "messages": [USER, {"role": "assistant", "content": "x", "refusal": None,
                                                        "tool_calls": []}, USER]}),
+    ("/v1/chat/completions", {**H, "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}, USER], "tools": [TOOL], "tool_choice": "none"}),
 ])
 def test_fields_that_change_nothing_are_accepted(server, route, body):
     r = httpx.post(server.url + route, json={**body, "temperature": 0})

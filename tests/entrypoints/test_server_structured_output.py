@@ -15,6 +15,8 @@ import openai
 import pytest
 from server_utils import served
 
+from deepinfer_dp.entrypoints.openai.admission import ServerLimits
+
 sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
 from so_cases import ARITHMETIC, CODE_REGEX, PERSON, check_arithmetic, check_json, check_regex  # noqa: E402
 
@@ -33,7 +35,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with served(None, max_model_len=1024, kv_cache_memory_gb=0.2, seed=0) as srv:
+    limits = ServerLimits(tool_call_parser="hermes")  # --enable-auto-tool-choice
+    with served(None, max_model_len=1024, kv_cache_memory_gb=0.2, seed=0, limits=limits) as srv:
         srv.model_name = srv.client.model_name
         yield srv
 
@@ -104,6 +107,55 @@ def test_tool_call_required(client, server, temperature):
     for call in choice.message.tool_calls:
         assert call.type == "function" and call.id
         _arguments_valid(call, [WEATHER, TIME])
+
+
+def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
+    """[(name, arguments)] joined from the deltas, as a client does, and the finish_reason."""
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, [d.function.name, ""])
+                entry[1] += d.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_tool_calls_streamed_equal_the_whole_answer(client, server, tool_choice):
+    ask = dict(model=server.model_name, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+               temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**ask).choices[0]
+    calls, reason = _streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert reason == whole.finish_reason == "tool_calls"
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    for call in whole.message.tool_calls:
+        _arguments_valid(call, [WEATHER, TIME])
+
+
+def test_auto_tool_choice_without_a_call_is_the_plain_answer(client, server):
+    # SmolLM2's chat template does not show tools, so the prompt is the same with and without
+    # them; the model writes no <tool_call>, and the answer must be exactly the plain one.
+    ask = dict(model=server.model_name, messages=ASK, temperature=0, max_tokens=30)
+    plain = client.chat.completions.create(**ask).choices[0]
+    auto = client.chat.completions.create(**ask, tools=[WEATHER]).choices[0]
+    assert "<tool_call>" not in plain.message.content
+    assert (auto.message.content, auto.finish_reason, auto.message.tool_calls) == (
+        plain.message.content, plain.finish_reason, [])
+    stream = client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="auto", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain.message.content
+
+
+def test_tool_results_sent_back_are_served(client, server):
+    first = client.chat.completions.create(model=server.model_name, messages=ASK, tools=[WEATHER],
+                                           tool_choice="required", temperature=0, max_tokens=120).choices[0]
+    call = first.message.tool_calls[0]
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    r = client.chat.completions.create(model=server.model_name, messages=turn, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=10)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("route, body, param", [

@@ -23,6 +23,7 @@ class ServerLimits:
     max_prompts: int = 256  # prompts in one completions request
     max_waiting_requests: int = 1024  # engine requests admitted and not yet at their first token
     chat_special_tokens_as_text: bool = True  # special-token strings in chat content stay plain text
+    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
 
 
 class QueueFull(Exception):

@@ -43,15 +43,20 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def field_path(err: dict) -> list[str]:
     """The field an error is about: `body` and pydantic's union-branch tags (e.g. `list[int]`)
-    dropped; the top-level field, or messages.<i>.<field> for a message."""
+    dropped; the top-level field, or messages.<i>.<field> for a message (down to the field of
+    a tool call it sends back: messages.<i>.tool_calls.<j>.function...)."""
     path: list[str] = []
     for x in err.get("loc", ()):
         if x == "body":
             continue
         if isinstance(x, str) and "[" in x:
-            break
+            if path[-1:] != ["tool_calls"]:
+                break
+            continue
         path.append(str(x))
-    return path[:3] if path[:1] == ["messages"] else path[:1]
+    if path[:1] != ["messages"]:
+        return path[:1]
+    return path if path[2:3] == ["tool_calls"] else path[:3]
 
 
 def _describe(errs: list[dict]) -> str:

@@ -140,14 +140,25 @@ class ContentPart(_Request):
     file: Any = None
 
 
+class FunctionCallIn(_Request):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     # What an assistant turn of OpenAI's answer holds; a client may send such a turn back.
     refusal: Any = None
-    tool_calls: Any = None  # refused unless empty
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallIn] | None = None  # an earlier answer's calls, sent back
+    tool_call_id: Text | None = None  # a tool result: the call it answers
     function_call: Any = None
     audio: Any = None
 
@@ -249,9 +260,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

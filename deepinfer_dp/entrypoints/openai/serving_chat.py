@@ -3,6 +3,7 @@ choices machinery as completions."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from deepinfer_dp.entrypoints.openai import unsupported
@@ -33,6 +34,7 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     stop_strings,
 )
 from deepinfer_dp.entrypoints.openai.structured import structured_params, tool_mode, tools_for_template
+from deepinfer_dp.entrypoints.openai.tool_calls import ToolReader, joined
 from deepinfer_dp.sampling_params import MAX_LOGPROBS
 
 
@@ -48,18 +50,36 @@ def _text(content) -> str:
     return "".join(parts)
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as chat templates take them; an earlier answer's tool calls are sent back
+    with their arguments as objects (what the templates that show them expect)."""
+    out = []
     for i, m in enumerate(req.messages):
         refuse_unsupported(m, unsupported.MESSAGE, f"messages.{i}.")
-    return [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        message = {"role": m.role, "content": _text(m.content)}
+        if m.tool_calls:
+            message["tool_calls"] = [_call_for_template(c, f"messages.{i}.tool_calls.{j}")
+                                     for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _call_for_template(call, param: str) -> dict:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad_request("arguments must be a JSON object, as text", f"{param}.function.arguments")
+    fn = {"name": call.function.name, "arguments": args}
+    return {"type": "function", "function": fn} | ({"id": call.id} if call.id is not None else {})
 
 
 def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
     refuse_unsupported(req, unsupported.CHAT)
     check_common(req, ctx.limits)
-    if req.stream and tool_mode(req) is not None:
-        raise bad_request("`stream` with tool calls is not supported by this server: streaming tool calls is not "
-                          "implemented; send stream: false with tools", "stream", "unsupported_parameter")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -70,7 +90,8 @@ def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
     _check_fields(ctx, req)
-    constraint, _ = structured_params(req)  # 400 for a schema, regex or grammar that does not parse
+    # 400 for a schema, regex or grammar that does not parse, or tool_choice "auto" without a parser
+    constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
     messages = _messages(req)
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
@@ -110,18 +131,31 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
         reasons[ev.index] = ev.finish_reason or reasons[ev.index]
         if logprobs is not None:
             logprobs[ev.index].content += _logprobs(ctx, ev).content
-    tools = tool_mode(req)
+    tools = tool_mode(req, ctx.limits.tool_call_parser)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]), finish_reason=reasons[i],
                           logprobs=logprobs[i] if logprobs else None) for i in range(req.n)]
-    for choice in choices if tools is not None else []:
-        calls = tools.tool_calls(choice.message.content) if choice.finish_reason == "stop" else None
-        if calls is not None:  # (an answer cut by max_tokens stays text, with finish_reason "length")
-            choice.message, choice.finish_reason = ChatResponseMessage(tool_calls=calls), "tool_calls"
+    for choice in choices if tools is not None else []:  # read the same way as a stream is
+        reader = ToolReader(tools)
+        content, deltas = reader.feed(choice.message.content)
+        rest, last, choice.finish_reason = reader.finish(choice.finish_reason)
+        calls = joined(deltas + last)
+        choice.message = ChatResponseMessage(content=(content + rest) or (None if calls else ""), tool_calls=calls)
     completion = sum(tokens)
     usage = UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
                       total_tokens=len(prompts[0]) + completion)
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=ctx.model_name, choices=choices,
                                   usage=usage)
+
+
+def _read(reader: ToolReader | None, ev: ChoiceEvent) -> tuple[str, list, str | None]:
+    """One event's visible text, tool-call deltas and finish_reason."""
+    if reader is None:
+        return ev.text, [], ev.finish_reason
+    text, calls = reader.feed(ev.text)
+    if ev.finish_reason is None:
+        return text, calls, None
+    rest, last, reason = reader.finish(ev.finish_reason)
+    return text + rest, calls + last, reason
 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
@@ -133,15 +167,17 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
         body = ChatCompletionChunk(id=rid, model=ctx.model_name, choices=choices, usage=usage)
         return f"data: {body.model_dump_json()}\n\n"
 
+    tools = tool_mode(req, ctx.limits.tool_call_parser)
+    readers = [ToolReader(tools) if tools else None for _ in range(req.n)]
     for i in range(req.n):  # OpenAI opens each choice with the role
         yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
-        if not ev.text and ev.finish_reason is None and not req.logprobs:
+        text, calls, reason = _read(readers[ev.index], ev)
+        if not text and not calls and reason is None and not req.logprobs:
             continue  # nothing a client can see yet
-        yield chunk(ChatStreamChoice(index=ev.index, delta=ChatDelta(content=ev.text or None),
-                                     finish_reason=ev.finish_reason,
-                                     logprobs=_logprobs(ctx, ev) if req.logprobs else None))
+        yield chunk(ChatStreamChoice(index=ev.index, delta=ChatDelta(content=text or None, tool_calls=calls or None),
+                                     finish_reason=reason, logprobs=_logprobs(ctx, ev) if req.logprobs else None))
     if req.stream_options and req.stream_options.include_usage:
         completion = sum(tokens.values())
         yield chunk(None, UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,

@@ -8,50 +8,34 @@ One request asks for at most one of:
     constrained to the tools' parameter schemas, answered as OpenAI `tool_calls`.
 Each becomes a StructuredOutputsParams checked by the grammar library here, so a schema,
 regex or grammar it cannot read is a 400 naming the request field, before anything is queued.
-`tool_choice: "auto"` (the model decides, parsed from its text) is not implemented: a 400.
+`tool_choice: "auto"` (the default with tools) leaves the text free: the model decides, and
+the server's tool-call parser (`--enable-auto-tool-choice`, Hermes format) reads calls out of
+it (tool_calls.py). Without the parser it is a 400.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
-from deepinfer_dp.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    FunctionCall,
-    SamplingFields,
-    ToolCall,
-)
+from deepinfer_dp.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
 from deepinfer_dp.entrypoints.openai.serving_engine import bad_request
+from deepinfer_dp.entrypoints.openai.tool_calls import ToolMode
 from deepinfer_dp.structured_output import backend
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
 
 
-@dataclass
-class ToolMode:
-    """How a tool-call answer is read back: the named function's arguments, or (required) an
-    array of {"name", "parameters"} objects."""
-
-    named: str | None  # the function, for a named tool_choice; None: "required"
-
-    def tool_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls in a finished output, or None when it does not parse (cut by max_tokens)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if self.named is not None:
-            return [ToolCall(function=FunctionCall(name=self.named, arguments=json.dumps(value)))]
-        return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-                for c in value]
-
-
-def structured_params(req: SamplingFields) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
-    """The request's constraint (None: free text) and, for tool calls, how to read the answer."""
+def structured_params(req: SamplingFields, tool_parser: str | None = None,
+                      ) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
+    """The request's constraint (None: free text) and, for tool calls, how to read the answer.
+    `tool_parser`: the server's parser for tool_choice "auto" (None: auto is refused)."""
     asked = [name for name in ("response_format", "structured_outputs") if _asks(req, name)]
-    tools = tool_mode(req) if isinstance(req, ChatCompletionRequest) else None
+    tools = tool_mode(req, tool_parser) if isinstance(req, ChatCompletionRequest) else None
+    if tools and tools.kind == "auto":
+        if asked:
+            raise bad_request(f'{asked[0]} constrains the output, so the model cannot choose to call a tool '
+                              f'(tool_choice "auto"); send tool_choice "required", a named function or "none"',
+                              "tool_choice")
+        return None, tools
     if tools:
         asked.append("tool_choice")
     if len(asked) > 1:
@@ -103,7 +87,7 @@ def _vllm_params(req: SamplingFields) -> StructuredOutputsParams:
         raise bad_request(str(e), "structured_outputs") from e
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+def tool_mode(req: ChatCompletionRequest, tool_parser: str | None = None) -> ToolMode | None:
     """How the answer holds tool calls; None when it is text (no tools, or tool_choice "none")."""
     choice = req.tool_choice
     if not req.tools:
@@ -112,27 +96,30 @@ def tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
         return None
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise bad_request('`tool_choice` "auto" (the default with tools: the model chooses whether to call one) '
-                          'is not supported by this server; send tool_choice "required" or {"type": "function", '
-                          '"function": {"name": ...}}', "tool_choice", "unsupported_parameter")
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", "tools")
+    if choice is None or choice == "auto":
+        if tool_parser is None:
+            raise bad_request('`tool_choice` "auto" (the default with tools: the model chooses whether to call one) '
+                              'is not supported by this server as started: it needs a tool-call parser (start it '
+                              'with --enable-auto-tool-choice); or send tool_choice "required" or {"type": "function", '
+                              '"function": {"name": ...}}', "tool_choice", "unsupported_parameter")
+        return ToolMode("auto")
     if choice == "required":
-        return ToolMode(None)
+        return ToolMode("required")
     if choice.function.name not in names:
         raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
                           "tool_choice.function.name")
-    return ToolMode(choice.function.name)
+    return ToolMode("named", choice.function.name)
 
 
 def _tools_params(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutputsParams:
     for i, tool in enumerate(req.tools):  # each schema on its own, so a 400 names the tool
         _check(StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT),
                f"tools.{i}.function.parameters")
-    if mode.named is not None:
-        tool = next(t for t in req.tools if t.function.name == mode.named)
+    if mode.kind == "named":
+        tool = next(t for t in req.tools if t.function.name == mode.name)
         return StructuredOutputsParams(json=tool.function.parameters or ANY_OBJECT)
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "parameters": t.function.parameters or ANY_OBJECT},

@@ -50,8 +50,6 @@ COMPLETION: dict[str, tuple[Noop, str]] = {
 }
 
 MESSAGE: dict[str, tuple[Noop, str]] = {
-    "tool_calls": (_empty, "sending back an earlier turn's tool calls is not implemented"),
-    "tool_call_id": (_none, "sending back tool results is not implemented"),
     "function_call": (_none, "function calling is not implemented"),
     "audio": (_none, "audio is not implemented"),
     "refusal": (lambda v: v is None or isinstance(v, str), "must be a string"),
