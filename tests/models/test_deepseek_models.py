@@ -186,3 +186,16 @@ def test_expert_shard_loads_only_its_experts(ds_root):
         assert torch.equal(half_block.gate.e_score_correction_bias, full_block.gate.e_score_correction_bias)
     assert not half.wants_weight("model.layers.1.mlp.experts.3.up_proj.weight")
     assert half.wants_weight("model.layers.1.mlp.experts.4.up_proj.weight")
+
+
+def test_experts_with_no_rows_return_no_rows():
+    """Under EP a rank may receive no token at all in a layer (top-2 of 8 experts, all on its
+    peer): the kernel path must hand back an empty result, not fail on NumPy's empty strides."""
+    from deepinfer_dp.layers.moe import FusedMoE
+
+    moe = FusedMoE(8, 2, 64, 32, 1, shard=(1, 2))
+    moe.w13.data.normal_()
+    moe.w2.data.normal_()
+    wide = torch.zeros(0, 69)
+    out = moe.compute(wide[:, :64], torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2))
+    assert out.shape == (0, 64)
