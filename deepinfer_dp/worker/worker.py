@@ -123,6 +123,12 @@ class Worker:
         state, self.prev_step_state = self.prev_step_state, None
         return self._post_process_step(state, host)
 
+    def run_on_device(self, fn, *args):
+        """Runs `fn` where the forward passes run and waits for its result (a proposer's
+        drafting between steps: its torch ops must share the device thread's OpenMP team)."""
+        result = self._on_device(fn, *args)
+        return result.result() if isinstance(result, Future) else result
+
     def _on_device(self, fn, *args):
         """Queues `fn` on the device thread (CPU) or runs it now (CUDA: kernels are queued
         on the stream, not waited for). Arguments that are futures of earlier device work
