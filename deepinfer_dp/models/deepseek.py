@@ -125,6 +125,24 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def rope_rows_to_rotate_half(cfg, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Reorders the rope rows of an attention projection from interleaved pairs (x0, x1),
+    (x2, x3), ... to halves (x0, x2, ...; x1, x3, ...); other tensors pass unchanged."""
+    rope = cfg.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if name.endswith((".q_proj.weight", ".q_b_proj.weight")):
+        heads = tensor.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + rope, -1)
+        rope_rows = heads[:, cfg.qk_nope_head_dim:][:, order]
+        return torch.cat([heads[:, :cfg.qk_nope_head_dim], rope_rows], dim=1).reshape(tensor.shape)
+    if ".kv_a_proj_with_mqa." in name:
+        return torch.cat([tensor[:cfg.kv_lora_rank], tensor[cfg.kv_lora_rank:][order]])
+    return tensor
+
+
+def interleaved_rope(config) -> bool:
+    return config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
+
+
 class DeepseekForCausalLM(MoeForCausalLM):
     model_types = DEEPSEEK_MODEL_TYPES
 
@@ -134,7 +152,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
 
     @property
     def interleaved_rope(self) -> bool:
-        return self.config.model_type == "deepseek_v2" or bool(getattr(self.config, "rope_interleave", True))
+        return interleaved_rope(self.config)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """One latent cache tensor per layer (layers/mla.py allocate_mla_cache)."""
@@ -164,7 +182,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         if name not in params:
             raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
         if self.interleaved_rope:
-            tensor = self._rope_to_rotate_half(name, tensor)
+            tensor = rope_rows_to_rotate_half(self.config, name, tensor)
         if params[name].shape != tensor.shape:
             raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(params[name].shape)}")
@@ -172,17 +190,3 @@ class DeepseekForCausalLM(MoeForCausalLM):
             params[name].copy_(tensor)
         loaded.add(name)
 
-    def _rope_to_rotate_half(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Reorders the rope rows of a projection from interleaved pairs (x0, x1), (x2, x3), ...
-        to halves (x0, x2, ...; x1, x3, ...)."""
-        cfg = self.config
-        rope = cfg.qk_rope_head_dim
-        order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-        if name.endswith((".q_proj.weight", ".q_b_proj.weight")):
-            heads = tensor.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + rope, -1)
-            rope_rows = heads[:, cfg.qk_nope_head_dim:][:, order]
-            return torch.cat([heads[:, :cfg.qk_nope_head_dim], rope_rows], dim=1).reshape(tensor.shape)
-        if ".kv_a_proj_with_mqa." in name:
-            rope_rows = tensor[cfg.kv_lora_rank:][order]
-            return torch.cat([tensor[:cfg.kv_lora_rank], rope_rows])
-        return tensor

@@ -16,9 +16,10 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: Literal["ngram", "draft_model"] = Field(
+    method: Literal["ngram", "draft_model", "mtp"] = Field(
         description="ngram: prompt lookup, drafts from the sequence's own history; draft_model: a smaller "
-                    "model of the same tokenizer drafts autoregressively")
+                    "model of the same tokenizer drafts autoregressively; mtp: DeepSeek-V3's next-n layer "
+                    "from the target's checkpoint drafts from the target's hidden states")
     model: str | None = Field(None, description="draft_model: the draft model (Hugging Face directory or .gguf)")
     num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens verified per step (K)")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up")
@@ -30,8 +31,8 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unbuilt(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("method") in ("mtp", "eagle"):
-            raise ValueError(f"method: {data['method']!r} is not available yet; use 'ngram' or 'draft_model'")
+        if isinstance(data, dict) and data.get("method") == "eagle":
+            raise ValueError("method: 'eagle' is not available yet; use 'ngram', 'draft_model' or 'mtp'")
         return data
 
     @model_validator(mode="after")

@@ -105,6 +105,11 @@ def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
 
         proposer = build_draft_proposer(config.model, engine)
         runner.target_observer = proposer.observe_target
+    elif config.method == "mtp":
+        from deepinfer_dp.spec_decode.mtp import build_mtp_proposer
+
+        proposer = build_mtp_proposer(engine)
+        runner.target_observer = proposer.observe_target
     return Speculator(config, proposer)
 
 
