@@ -2,7 +2,9 @@
 V2-Lite-style models at DP=2 with EP (rank 0 holds routed experts 0-3, rank 1 experts 4-7)
 give the DP=1 outputs token for token with every prompt on rank 0 (torchrun, the idle rank
 runs placeholder steps whose MoE collectives its peer waits on, and its experts compute rank
-0's tokens), and with round-robin routing under Ray."""
+0's tokens), and with round-robin routing under Ray. With MTP drafting (K = 2) on a V3 whose
+checkpoint stores a next-n layer, all prompts on rank 0: the outputs are still DP=1's, and
+the idle rank's placeholder steps carry the 1 + K tokens of draft padding."""
 
 from __future__ import annotations
 
@@ -45,12 +47,15 @@ def ds_case(request, tmp_path_factory):
     return path, ids
 
 
-def _torchrun(model_dir: Path, out: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
+def _torchrun(model_dir: Path, out: Path, spec: dict | None = None,
+              timeout_s: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", "8,0",
            "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64", "--max-num-seqs", "2",
            "--max-num-batched-tokens", "12", "--enable-expert-parallel", "--all2all-backend", "all_to_all",
            "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
     out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True, env=dict(os.environ))
@@ -91,3 +96,23 @@ def test_ray_ep_round_robin_equals_dp1(ds_case, ray_cluster):
         llm.shutdown()
     assert [s["moe_local_experts"] for s in stats] == [[0, 4], [4, 8]]
     assert all(sum(map(sum, s["moe_expert_tokens"])) > 0 for s in stats)
+
+
+def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factory, tmp_path):
+    from deepinfer_dp.entrypoints.llm import LLM
+
+    path = build_tiny_deepseek("v3", tmp_path_factory.mktemp("ds_ep_mtp") / "v3-nextn", with_nextn=True)
+    llm = LLM(str(path), decode_sequence=False, **ENGINE)
+    try:
+        dp1_ids = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    done = _torchrun(path, tmp_path / "out.json", spec)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["token_ids"] == dp1_ids
+    rank0, rank1 = result["rank_stats"]
+    assert rank0["generate_step"] == rank1["generate_step"]
+    assert rank1["placeholder_steps"] == rank1["generate_step"] and rank0["spec_decode_num_drafts"] > 0
+    assert sum(map(sum, rank1["moe_expert_tokens"])) > 0
