@@ -10,6 +10,9 @@ default DeepseekV3Config: 61 layers, 128 heads, latent 512 + rope 64), from the 
 "Sequences that fit": how many sequences of --context tokens a cache of --cache-gb holds,
 with MLA's per-token latent row against per-head K and V of the same head sizes.
 
+The MTP side is DP=1 with a random next-n layer drafting one token per step; its mean step
+time against the plain DP=1 side is the MTP step's cost (random weights accept few drafts).
+
 Throughput workload: N chat prompts (default 16), greedy, exactly --max-tokens new tokens
 each, all submitted at once, one torch thread per rank. Each side runs in its own subprocess,
 the sides alternate over --rounds rounds and the best run of each counts.
@@ -30,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from offline_throughput import chat_prompts  # noqa: E402
 
-SIDES = {"dp1": (1, False), "dp2-ep": (2, True)}
+# name: (dp_size, expert parallel, MTP draft tokens)
+SIDES = {"dp1": (1, False, 0), "dp2-ep": (2, True, 0), "dp1-mtp1": (1, False, 1)}
 
 
 def bench_config():
@@ -49,7 +53,7 @@ def bench_config():
 def model_dir() -> Path:
     """The random-weight checkpoint, written once."""
     root = Path(os.environ.get("DEEPINFER_DP_CACHE") or Path.home() / ".cache" / "deepinfer_dp")
-    path = root / "deepseek-v3-bench-1"
+    path = root / "deepseek-v3-bench-2"
     if (path / "config.json").is_file():
         return path
     import torch
@@ -61,9 +65,37 @@ def model_dir() -> Path:
     model = AutoModelForCausalLM.from_config(bench_config(), dtype=torch.float32)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
+    add_nextn_layer(tmp, bench_config())
     AutoTokenizer.from_pretrained(convert_gguf(default_model_path())).save_pretrained(tmp)
     tmp.rename(path)
     return path
+
+
+def add_nextn_layer(path: Path, config) -> None:
+    """A random next-n (MTP) layer stored as DeepSeek stores it: model.layers.<num_hidden_layers>.*,
+    routed experts one tensor per expert and projection."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    prefix, hidden = f"model.layers.{config.num_hidden_layers}.", config.hidden_size
+    weights = load_file(path / "model.safetensors")
+    for name, t in DeepseekV3DecoderLayer(config, config.num_hidden_layers).state_dict().items():
+        t = 1.0 + 0.0 * t if "norm" in name else torch.randn_like(t) * 0.02
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                weights[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                weights[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e, w in enumerate(t):
+                weights[f"{prefix}mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+        else:
+            weights[prefix + name] = t.contiguous()
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{prefix}{norm}.weight"] = torch.ones(hidden)
+    weights[f"{prefix}eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
 # ---- the KV cache ----------------------------------------------------------------------------
@@ -88,12 +120,15 @@ def cache_report(args) -> None:
 def run_side(name: str, path: str, prompts: int, max_tokens: int) -> dict:
     from deepinfer_dp import LLM, SamplingParams
 
-    dp_size, ep = SIDES[name]
+    dp_size, ep, mtp = SIDES[name]
     extra = {"enable_expert_parallel": True, "dp_options": {"collective_timeout_s": 300}} if ep else {}
+    if mtp:
+        extra["speculative_config"] = {"method": "mtp", "num_speculative_tokens": mtp, "disable_by_batch_size": None}
     llm = LLM(path, decode_sequence=False, dp_size=dp_size, torch_threads=1, kv_cache_memory_gb=0.25, **extra)
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=[[1, 2, 3]] * dp_size, sampling_params=warm, use_tqdm=False)
     ids = chat_prompts(llm.get_tokenizer(), prompts)
+    before = llm.rank_stats()[0]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
     results = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
@@ -101,7 +136,9 @@ def run_side(name: str, path: str, prompts: int, max_tokens: int) -> dict:
     stats = llm.rank_stats()
     llm.shutdown()
     tokens = sum(len(o.token_ids) for outs in results for o in outs)
-    return {"name": name, "tok_per_s": tokens / elapsed, "seconds": elapsed,
+    steps = stats[0]["generate_step"] - before["generate_step"]
+    return {"name": name, "tok_per_s": tokens / elapsed, "seconds": elapsed, "step_s": elapsed / steps,
+            "acceptance": stats[0].get("spec_decode_acceptance_rate"),
             "local_experts": [s.get("moe_local_experts") for s in stats]}
 
 
@@ -128,7 +165,11 @@ def engine_report(args) -> None:
     base = best["dp1"]["tok_per_s"]
     for name, r in best.items():
         print(f"  {name:8s} {r['tok_per_s']:7.1f} tok/s  {r['tok_per_s'] / base:.2f}x DP=1  "
-              f"routed experts per rank {r['local_experts']}")
+              f"mean step {1000 * r['step_s']:.1f} ms  routed experts per rank {r['local_experts']}")
+    mtp, plain = best["dp1-mtp1"], best["dp1"]
+    print(f"MTP (K=1) step cost over a plain step: {mtp['step_s'] / plain['step_s']:.2f}x "
+          f"({1000 * mtp['step_s']:.1f} vs {1000 * plain['step_s']:.1f} ms, DP=1: observe pass + draft + verify row); "
+          f"acceptance {mtp['acceptance'] or 0:.1%} -- random weights accept few drafts, so this is the cost side only")
 
 
 def main() -> None:
@@ -148,7 +189,6 @@ def main() -> None:
     cache_report(args)
     if not args.skip_engine:
         engine_report(args)
-    print("MTP step cost: not measured (MTP drafting is not implemented yet).")
 
 
 if __name__ == "__main__":
