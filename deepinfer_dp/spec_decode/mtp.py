@@ -72,7 +72,8 @@ class MTPProposer(DraftModelProposer):
     def _hidden_at(self, slots: torch.Tensor) -> torch.Tensor:
         """The target's hidden state at each slot, from the newest pass that wrote it (zeros
         if none kept has: those drafts are just poor)."""
-        out = torch.zeros(slots.shape[0], self.model.config.hidden_size, device=self.device)
+        dtype = next(self.model.parameters()).dtype
+        out = torch.zeros(slots.shape[0], self.model.config.hidden_size, dtype=dtype, device=self.device)
         found = torch.zeros(slots.shape[0], dtype=torch.bool, device=self.device)
         for slot_mapping, hidden in self._recent:
             match = slots[:, None] == slot_mapping[None, :]
