@@ -238,3 +238,24 @@ def test_experts_with_no_rows_return_no_rows():
     wide = torch.zeros(0, 69)
     out = moe.compute(wide[:, :64], torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2))
     assert out.shape == (0, 64)
+
+
+def test_preemption_keeps_greedy_output(ds_root):
+    """A latent cache too small for every sequence at once: sequences are preempted (their
+    blocks freed) and recomputed, and the outputs are those of a roomy cache."""
+    path = str(build_tiny_deepseek("v2-lite", ds_root / "v2-lite"))
+    prompts = random_prompts(400, [30, 25, 28, 22, 26, 31], seed=9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs, preemptions = [], []
+    for blocks in (256, 30):
+        llm = LLM(path, decode_sequence=False, max_num_batched_tokens=64, max_num_seqs=6, num_kv_blocks=blocks,
+                  block_size=4, max_model_len=64)
+        try:
+            outputs.append([[t for o in outs for t in o.token_ids]
+                            for outs in llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                                                     sampling_params=greedy)])
+            preemptions.append(llm.rank_stats()[0]["num_preemptions"])
+        finally:
+            llm.shutdown()
+    assert preemptions[0] == 0 and preemptions[1] > 0
+    assert outputs[0] == outputs[1]
