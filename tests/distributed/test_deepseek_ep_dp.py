@@ -83,6 +83,7 @@ def test_torchrun_ep_all_prompts_on_one_rank_equals_dp1(ds_case, tmp_path):
     assert all(row[4:] == [0] * 4 for row in rank0["moe_expert_tokens"])
 
 
+@pytest.mark.slow  # the Ray EP path itself runs by default in test_moe_ep_dp.py
 def test_ray_ep_round_robin_equals_dp1(ds_case, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
