@@ -43,6 +43,13 @@ class Speculator:
         self.spec_steps += 1
         return True
 
+    def after_step(self, sched_out: _C.SchedulerOutput, speculating: bool) -> None:
+        """Tells a proposer with its own network which positions its forward saw (only
+        speculative steps'; a draft model catches up on the others when it drafts next)."""
+        seen = getattr(self.proposer, "after_target", None)
+        if seen is not None and not sched_out.is_empty():
+            seen(sched_out, speculating)
+
     def with_drafts(self, batch: SamplingBatch | None, sched_out: _C.SchedulerOutput,
                     requests: dict[str, Any]) -> SamplingBatch | None:
         """Adds to a step's sampling batch the rows verifying drafts that were sampled from a
