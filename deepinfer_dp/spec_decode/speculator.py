@@ -10,6 +10,10 @@ Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
   no drafts; one undeferred step later it has them.)
 Lockstep is unchanged: a speculative step is one engine step, and the placeholder step
 feeds 1 + K dummy tokens (draft padding), so its shapes match a speculative step's.
+
+A draft model (spec_decode/draft_model.py) runs over the target's speculative passes only:
+ZOS-deferred and auto-off steps cost nothing extra, and the draft catches up on the tokens
+it missed (one draft pass) the next time it drafts for that sequence.
 """
 
 from __future__ import annotations
