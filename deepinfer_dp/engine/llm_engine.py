@@ -195,7 +195,9 @@ class LLMEngine:
         if sched_out.is_empty():
             self.placeholder_steps += 1
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
-        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating)
+        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, speculative=speculating)
+        if self.speculator is not None:
+            self.speculator.after_step(sched_out, speculating)
         self.generate_step += 1
         return failed + outputs if failed else outputs
 

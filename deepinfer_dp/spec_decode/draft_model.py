@@ -7,10 +7,17 @@ like the target's: draft K/V of token t sits in the target's block block_table[t
 block_size], in the draft's tensors. So the C++ scheduler's block bookkeeping serves both
 caches and nothing is mirrored or kept in sync by hand: allocation, the rollback of rejected
 slots, freeing, preemption (recompute) and prefix-cache sharing all act on both at once. To
-fill it, the draft runs over every target forward pass (`observe_target`: same tokens,
-positions, slots), so wherever the target has K/V, the draft has K/V of the same tokens.
-Accepted drafts thus get their draft K/V from the verification pass; rejected ones are
-rolled back with the target's slots and overwritten later.
+fill it, the draft runs over every speculative target pass (`observe_target`: same tokens,
+positions, slots), so there the draft gets K/V of the same tokens as the target. Accepted
+drafts thus get their draft K/V from the verification pass; rejected ones are rolled back
+with the target's slots and overwritten later.
+
+Steps with speculation off (the auto-off above disable_by_batch_size, ZOS-deferred) skip the
+draft, so a large batch pays nothing for it. Per sequence the proposer keeps how many leading
+positions hold valid draft K/V (`_valid`, from each step's positions in `after_target`); a
+candidate with fewer than its computed length first gets a catch-up pass of the draft over
+the missing tokens. A prefix-cache hit counts as missing (the draft may not have seen the
+pass that filled those blocks), and so does everything after a preemption.
 
 Drafting writes the K/V of positions the scheduler has not given slots yet (the drafts
 themselves): where the sequence's last block has room they go there (it is the sequence's
@@ -53,12 +60,25 @@ class DraftModelProposer:
                                            self.device)
         self.model.bind_kv_cache(self.kv_caches)
         self._probs: dict[str, torch.Tensor] = {}
-        self.forward_time_s = 0.0
+        # request id -> (its preemption count, leading positions with valid draft K/V)
+        self._valid: dict[str, tuple[int, int]] = {}
 
     # ---- the target's passes: fill the draft cache ----------------------------------------
     @torch.inference_mode()
     def observe_target(self, step: TargetStep) -> None:
         self.model(step.input_ids, step.positions, step.attn_metadata)
+
+    def after_target(self, sched_out: _C.SchedulerOutput, observed: bool) -> None:
+        """Advances each sequence's valid draft positions over a step: an observed step
+        extends a contiguous prefix; an unobserved one invalidates what it rewrote."""
+        seq_lens, qsl = sched_out.seq_lens, sched_out.query_start_loc
+        for i, rid in enumerate(sched_out.request_ids):
+            end = int(seq_lens[i])
+            start = end - int(qsl[i + 1] - qsl[i])
+            epoch, valid = self._valid.get(rid, (0, 0))  # (a preemption is noticed in _missing)
+            self._valid[rid] = (epoch, (end if valid >= start else valid) if observed else min(valid, start))
+        if len(self._valid) > 2 * len(self.requests) + 64:  # finished requests, under a long auto-off
+            self._valid = {r: v for r, v in self._valid.items() if r in self.requests}
 
     # ---- between steps: draft ------------------------------------------------------------
     def propose(self, scheduler: _C.Scheduler, k: int) -> int:
@@ -77,7 +97,8 @@ class DraftModelProposer:
         if not seqs:
             return 0
         states = [self.requests.get(s.request_id) for s in seqs]
-        drafts, probs = self.run_on_device(self._draft, lens, lasts, tables, max(ks), states)
+        missing = self._missing(seqs)
+        drafts, probs = self.run_on_device(self._draft, lens, lasts, tables, max(ks), states, missing)
         for i, seq in enumerate(seqs):
             scheduler.set_drafts(seq, drafts[i, : ks[i]].tolist())
             if probs is not None and probs[i] is not None:
@@ -87,10 +108,25 @@ class DraftModelProposer:
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         return self._probs.get(request_id)
 
+    def _missing(self, seqs: list) -> list[tuple[int, list[int], list[int]]]:
+        """Per candidate lacking draft K/V: (its index, the tokens, their positions' start)."""
+        out = []
+        for i, seq in enumerate(seqs):
+            computed = seq.data.get_len() - 1
+            epoch, valid = self._valid.get(seq.request_id, (seq.num_preemptions, 0))
+            if epoch != seq.num_preemptions:  # recomputed since, maybe into other blocks
+                valid = 0
+            if valid < computed:
+                out.append((i, seq.data.get_token_ids()[valid:computed], valid))
+            self._valid[seq.request_id] = (seq.num_preemptions, computed)  # after the catch-up below
+        return out
+
     @torch.inference_mode()
-    def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int,
-               states: list[Any]) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
+    def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int, states: list[Any],
+               missing: list) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
         """k draft tokens per sequence [n, k], and per sampled sequence q [k, vocab]."""
+        if missing:
+            self._catch_up(missing, tables)
         n, bs = len(lens), self.block_size
         table = np.zeros((n, max(len(t) for t in tables) + 1), dtype=np.int32)
         for i, t in enumerate(tables):
@@ -113,6 +149,30 @@ class DraftModelProposer:
             pos = pos + 1
         drafts = torch.stack(out, dim=1).cpu().numpy()
         return drafts, sampler.per_row(probs, n)
+
+    def _catch_up(self, missing: list, tables: list[list[int]]) -> None:
+        """One draft pass over the tokens whose draft K/V is missing (all within blocks the
+        target already computed, so all in the sequences' own block tables)."""
+        bs = self.block_size
+        width = max(len(tables[i]) for i, _, _ in missing)
+        table = np.zeros((len(missing), width), dtype=np.int32)
+        ids, pos, slots, qlens, slens = [], [], [], [], []
+        for row, (i, tokens, start) in enumerate(missing):
+            table[row, : len(tables[i])] = tables[i]
+            p = np.arange(start, start + len(tokens), dtype=np.int64)
+            ids += tokens
+            pos.append(p)
+            slots.append(table[row, p // bs].astype(np.int64) * bs + p % bs)
+            qlens.append(len(tokens))
+            slens.append(start + len(tokens))
+        qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        md = AttentionMetadata(
+            is_prefill=True, slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            block_tables=torch.from_numpy(table).to(self.device), query_start_loc=torch.from_numpy(qsl).to(self.device),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=self.device),
+            query_lens_host=qlens, seq_lens_host=slens, max_query_len=max(qlens), max_seq_len=max(slens))
+        self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                   torch.from_numpy(np.concatenate(pos)).to(self.device), md)
 
     def _step(self, tokens: torch.Tensor, pos: np.ndarray, table: np.ndarray,
               block_tables: torch.Tensor) -> torch.Tensor:

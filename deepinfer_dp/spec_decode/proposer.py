@@ -6,17 +6,23 @@ candidates (running, decode-ready sequences with nothing in flight that allow dr
 through `set_drafts`; the scheduler then feeds them after each sequence's last token and
 verifies them in the same forward pass.
 
-A proposer with a network of its own (a draft model, an MTP head) also needs to see every
-target forward pass: to keep its own KV cache in step with the target's, and (MTP) to
+A proposer with a network of its own (a draft model, an MTP head) also needs to see the
+target's forward passes: to keep its own KV cache in step with the target's, and (MTP) to
 read the target's last hidden states. Such a proposer has `observe_target`, which the
-model runner calls on the device right after each target forward (not the placeholder
-step's) with a `TargetStep`. An MTP head drafts from the hidden state of the row that
+model runner calls on the device right after each speculative target forward (steps with
+speculation auto-off, ZOS-deferred ones and the placeholder step are not shown) with a
+`TargetStep`, and `after_target`, which the engine calls on the host after every step with
+whether the proposer saw it, so it can tell which positions its own cache is missing.
+An MTP head drafts from the hidden state of the row that
 sampled a sequence's newest token and that token: `TargetStep.hidden_states` holds every
 fed row, `sample_indices` picks the sampled ones, and the scheduler output that the
 proposer sees in `propose` (through the scheduler's sequences) says which rows were
 accepted. Under sampling, a proposer that samples its drafts from a distribution q
 returns q through `draft_probs` so that verification can run the min(1, p/q) test
 (spec_decode/rejection.py); a deterministic proposer (n-gram) has no `draft_probs`.
+(A draft model recomputes what it missed from the tokens; an MTP head cannot recompute the
+target's hidden states, so it will want every pass shown: Worker.execute_model_step sets
+ModelInput.observe_target, today for speculative steps only.)
 """
 
 from __future__ import annotations
@@ -51,7 +57,10 @@ class ObservingProposer(Proposer, Protocol):
     """A proposer with a network of its own (draft model; MTP head next)."""
 
     def observe_target(self, step: TargetStep) -> None:
-        """Called on the device after every target forward (not the placeholder step's)."""
+        """Called on the device after every speculative target forward."""
+
+    def after_target(self, sched_out: _C.SchedulerOutput, observed: bool) -> None:
+        """Called on the host after every step (`observed`: observe_target saw its forward)."""
 
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         """The draft distributions q [k, vocab] this request's drafts were sampled from in

@@ -10,6 +10,10 @@ Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
   no drafts; one undeferred step later it has them.)
 Lockstep is unchanged: a speculative step is one engine step, and the placeholder step
 feeds 1 + K dummy tokens (draft padding), so its shapes match a speculative step's.
+
+A draft model (spec_decode/draft_model.py) runs over the target's speculative passes only:
+ZOS-deferred and auto-off steps cost nothing extra, and the draft catches up on the tokens
+it missed (one draft pass) the next time it drafts for that sequence.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ class Speculator:
         self.proposer.propose(scheduler, self.k)
         self.spec_steps += 1
         return True
+
+    def after_step(self, sched_out: _C.SchedulerOutput, speculating: bool) -> None:
+        """Tells a proposer with its own network which positions its forward saw (only
+        speculative steps'; a draft model catches up on the others when it drafts next)."""
+        seen = getattr(self.proposer, "after_target", None)
+        if seen is not None and not sched_out.is_empty():
+            seen(sched_out, speculating)
 
     def with_drafts(self, batch: SamplingBatch | None, sched_out: _C.SchedulerOutput,
                     requests: dict[str, Any]) -> SamplingBatch | None:

@@ -42,6 +42,7 @@ class ModelInput:
     prev_tokens: torch.Tensor | None = None  # the previous step's sampled ids (on the device)
     # Prefill rows whose logits requests want as prompt logprobs; forward() fills its result.
     prompt_logprobs: prompt_logprobs.PromptLogprobsSpec | None = None
+    observe_target: bool = False  # a speculative step: the proposer's network (target_observer) sees it
 
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
@@ -163,7 +164,7 @@ class ModelRunner:
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self._thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
-            if self.target_observer is not None and not inp.attn_metadata.is_placeholder:
+            if self.target_observer is not None and inp.observe_target:
                 self.target_observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden,
                                                 inp.sample_indices))
             if inp.prompt_logprobs is not None:

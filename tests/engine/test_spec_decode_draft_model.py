@@ -90,6 +90,20 @@ def test_target_drafting_for_itself_accepts_everything(tiny_model_dir, off, prom
     assert s["spec_decode_num_draft_tokens"] > 0 and s["spec_decode_acceptance_rate"] == 1.0
 
 
+@pytest.mark.parametrize("zos", [True, False])
+def test_draft_catches_up_over_steps_with_speculation_off(tiny_model_dir, off, prompts, zos):
+    """Above the auto-off threshold the draft skips the target's passes (ZOS-deferred or
+    not); once the batch shrinks it catches up first, so drafting for itself still keeps
+    every draft."""
+    params = [SamplingParams(max_tokens=6 + 6 * i, ignore_eos=True, **GREEDY) for i in range(len(prompts))]
+    on = LLM(tiny_model_dir, decode_sequence=False, zos=zos,
+             speculative_config=draft(tiny_model_dir, 3, disable_by_batch_size=3))
+    assert run(on, prompts, params) == run(off, prompts, params)
+    s = stats(on)
+    assert 0 < s["spec_decode_steps"] < s["generate_step"]
+    assert s["spec_decode_num_draft_tokens"] > 0 and s["spec_decode_acceptance_rate"] == 1.0
+
+
 def test_preempted_and_prefix_cached_runs_identical(tiny_model_dir, draft_dir, prompts):
     params = SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY)
     roomy = LLM(tiny_model_dir, decode_sequence=False, block_size=4, num_kv_blocks=256)
