@@ -7,6 +7,10 @@ the same scratch blocks, the same drafting loop on the device thread, the same d
 sampling. The MTP layer's latent cache is one more layer laid out on the target's block ids,
 so the C++ block bookkeeping (rollback, preemption, prefix caching) serves it too.
 
+Unlike the draft model, it cannot catch up on passes it did not see (the target's hidden
+states are gone), so it sees every target pass but the placeholder's, speculative or not
+(ModelRunner.observe_every_pass); it has no catch-up pass and nothing to track per step.
+
 Its cache entry at position t is MTP(h_t, x_{t+1}). Every target pass (`observe_target`)
 writes the entries of its rows whose next token it fed (within each sequence); the first
 drafting step of a sequence of length L writes position L - 2 (h_{L-2} and the newest token,
@@ -83,10 +87,16 @@ class MTPProposer(DraftModelProposer):
                 found |= hit
         return out
 
+    def after_target(self, sched_out: Any, observed: bool) -> None:
+        """Nothing to track: the MTP layer sees every pass (ModelRunner.observe_every_pass)."""
+
+    def _missing(self, seqs: list) -> list:
+        return []  # no catch-up passes: the target's hidden states cannot be recomputed here
+
     # ---- between steps: draft ------------------------------------------------------------
     @torch.inference_mode()
-    def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int,
-               states: list[Any]) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
+    def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int, states: list[Any],
+               missing: list | None = None) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
         n, bs = len(lens), self.block_size
         table = np.zeros((n, max(len(t) for t in tables) + 1), dtype=np.int32)
         for i, t in enumerate(tables):

@@ -121,6 +121,7 @@ def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
 
         proposer = build_mtp_proposer(engine)
         runner.target_observer = proposer.observe_target
+        runner.observe_every_pass = True
     return Speculator(config, proposer)
 
 

@@ -121,8 +121,8 @@ def test_drafts_are_the_reference_chain(mtp_dir):
     recorded = []
     original = mtp_module.MTPProposer._draft
 
-    def spy(self, lens, lasts, tables, k, states):
-        drafts, probs = original(self, lens, lasts, tables, k, states)
+    def spy(self, lens, lasts, tables, k, states, *rest):
+        drafts, probs = original(self, lens, lasts, tables, k, states, *rest)
         recorded.append((lens[0], drafts[0].tolist()))
         return drafts, probs
 
