@@ -1,5 +1,9 @@
-"""Speculative decoding: tokens/s with speculation off, n-gram with the auto-off, and n-gram
-always on (to find the batch size where it stops paying), on SmolLM2.
+"""Speculative decoding: tokens/s with speculation off, n-gram and a draft model, each with
+the auto-off and always on (to find the batch size where it stops paying), on SmolLM2.
+
+The draft model is a layer-skip draft: SmolLM2's own first --draft-layers layers with its
+embeddings, norm and LM head (benchmarks/layer_skip_draft.py), since no smaller model of
+SmolLM2's tokenizer is available offline. --draft PATH uses another draft instead.
 
 Two workloads, greedy, chat template applied:
 - repetition: rewrite / repeat a given passage, edit a given piece of code (EOS live:
@@ -14,7 +18,8 @@ drifts over minutes), and the best round of each side gives tokens/s; the ratio 
 side produced the same tokens, and prints the mean accepted length.
 
     python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3] [--max-tokens 96]
-        [--workloads repetition ordinary] [--sides off ngram ngram_always] (also: off_nozos)
+        [--workloads repetition ordinary] [--sides off ngram ngram_always draft draft_always] (also: off_nozos)
+        [--draft-layers 8 | --draft PATH]
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 PASSAGE = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He polished the great lens, "
            "trimmed the wick, and wrote the weather in his logbook before the first ship passed the rocks.")
@@ -49,16 +56,18 @@ def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False).input_ids for t in chat]
 
 
-def build(side: str, k: int):
+def build(side: str, k: int, draft: str | None):
     from deepinfer_dp import LLM
 
     spec = None
     if side == "off_nozos":  # what giving up the ZOS deferral alone costs (speculative steps are not deferred)
         return LLM(decode_sequence=False, zos=False, kv_cache_memory_gb=0.5, max_model_len=1024)
-    if side != "off":
+    if side.startswith("ngram"):
         spec = {"method": "ngram", "num_speculative_tokens": k}
-        if side == "ngram_always":
-            spec["disable_by_batch_size"] = None
+    elif side.startswith("draft"):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    if side.endswith("_always"):
+        spec["disable_by_batch_size"] = None
     return LLM(decode_sequence=False, speculative_config=spec, kv_cache_memory_gb=0.5, max_model_len=1024)
 
 
@@ -81,7 +90,7 @@ def run_side(args: argparse.Namespace) -> dict:
     """One side, every point: what its subprocess prints as one JSON line."""
     from deepinfer_dp import SamplingParams
 
-    llm = build(args.side, args.k)
+    llm = build(args.side, args.k, args.draft)
     tok = llm.get_tokenizer()
     points = {}
     for workload in args.workloads:
@@ -102,17 +111,25 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["repetition", "ordinary"])
-    ap.add_argument("--sides", nargs="+", default=["off", "ngram", "ngram_always"])
+    ap.add_argument("--sides", nargs="+", default=["off", "ngram", "ngram_always", "draft", "draft_always"])
+    ap.add_argument("--draft-layers", type=int, default=8, help="layers of the layer-skip draft")
+    ap.add_argument("--draft", help="a draft model directory (default: the layer-skip draft)")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     args = ap.parse_args()
     if args.side:
         print(json.dumps(run_side(args)))
         return
+    if args.draft is None and any(s.startswith("draft") for s in args.sides):
+        from layer_skip_draft import write_layer_skip_draft
+
+        out = Path(tempfile.gettempdir()) / f"deepinfer-dp-smollm2-first{args.draft_layers}"
+        args.draft = str(write_layer_skip_draft(None, out, args.draft_layers))
     best: dict[tuple, dict] = {}
     for r in range(args.rounds):
         for side in args.sides:  # each side in its own process: no idle engine's threads around
             cmd = [sys.executable, __file__, "--side", side, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
-                   "--batches", *map(str, args.batches), "--workloads", *args.workloads]
+                   "--batches", *map(str, args.batches), "--workloads", *args.workloads,
+                   *(["--draft", args.draft] if args.draft else [])]
             points = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             for point, v in points.items():
                 print(json.dumps({"round": r, "side": side, "point": point, "tok_s": round(v["tok_s"], 2),
@@ -123,7 +140,8 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
-    print(f"\nbest of {args.rounds} rounds, K={args.k}: tokens/s, ratio against off, [mean accepted length]")
+    draft = f", draft {args.draft}" if args.draft else ""
+    print(f"\nbest of {args.rounds} rounds, K={args.k}{draft}: tokens/s, ratio against off, [mean accepted length]")
     print(f"{'point':<16}" + "".join(f"{s:>26}" for s in args.sides))
     for workload in args.workloads:
         for batch in args.batches:

@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--enable-expert-parallel", action="store_true",
                     help="MoE models: each rank holds 1/N of the routed experts")
     ap.add_argument("--all2all-backend", default="all_to_all", help="all_to_all or allgather_reducescatter")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     ap.add_argument("--output", help="rank 0 writes {token_ids, rank_stats} as JSON here")
     ap.add_argument("--fail-rank", type=int, default=None, help="fault drill: this rank's process dies "
                     "on the first attempt (TORCHELASTIC_RESTART_COUNT 0) after joining the group")
@@ -53,7 +55,8 @@ def main() -> None:
     llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
               dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
+              enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend,
+              speculative_config=args.speculative_config)
     if llm.dp is None:
         raise SystemExit("run this under torchrun with --nproc-per-node 2 or more (see the docstring)")
     rank, world = llm.dp.dp_rank, llm.dp.dp_size

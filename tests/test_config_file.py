@@ -14,7 +14,8 @@ from deepinfer_dp.config_file import ConfigError, add_config_args, load_config, 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["smollm2_dp1.yaml", "smollm2_dp2.yaml", "tiny_test.yaml"])
+@pytest.mark.parametrize("name", ["smollm2_dp1.yaml", "smollm2_dp2.yaml", "tiny_test.yaml",
+                                  "deepseek_v3_dp2_ep_mtp.yaml"])
 def test_shipped_configs_load(name):
     cfg = load_config_file(CONFIGS / name)
     engine = cfg.engine_config()

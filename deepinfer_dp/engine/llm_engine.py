@@ -80,10 +80,10 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
         self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
-        self.speculator = speculator.for_engine(config.speculative_config, self.worker.runner)
+        self.requests: dict[str, RequestState] = {}
+        self.speculator = speculator.for_engine(config.speculative_config, self)
         # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.
         self.lockstep: Lockstep | None = None
-        self.requests: dict[str, RequestState] = {}
         self._finished: list[str] = []
         self._num_special = 0  # live requests needing more than plain greedy sampling
         self._prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}  # requests that asked
@@ -195,7 +195,9 @@ class LLMEngine:
         if sched_out.is_empty():
             self.placeholder_steps += 1
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
-        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating)
+        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, speculative=speculating)
+        if self.speculator is not None:
+            self.speculator.after_step(sched_out, speculating)
         self.generate_step += 1
         return failed + outputs if failed else outputs
 
@@ -242,10 +244,11 @@ class LLMEngine:
         outputs = [s.data.get_output_token_ids() if s else [] for s in seqs] if history else None
         prompts = ([s.data.get_token_ids()[: s.data.get_prompt_len()] if s else [] for s in seqs]
                    if history else None)
-        return SamplingBatch.build(
+        batch = SamplingBatch.build(
             params, [s.generator for s in states], prompts, outputs,
             [s.data.get_output_len() if s else 0 for s in seqs], [s.eos_token_id for s in states],
             vocab_size, self.device).with_grammar(mask)
+        return batch if self.speculator is None else self.speculator.with_drafts(batch, sched_out, self.requests)
 
     def prompt_logprobs_spec(self, sched_out: _C.SchedulerOutput) -> prompt_logprobs.PromptLogprobsSpec | None:
         if not self._prompt_logprobs:

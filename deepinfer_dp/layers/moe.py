@@ -109,6 +109,8 @@ class FusedMoE(nn.Module):
         if self.first_expert > 0 or self.end_expert < self.num_experts:
             local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         self._count(local, counted)
+        if x.shape[0] == 0:  # no token of any rank routed here (NumPy gives empty rows no strides)
+            return x.new_zeros(0, self.hidden_size)
         if _use_cpu_kernel(x, self.w13):
             out = torch.empty(x.shape[0], self.hidden_size)
             rows = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a received buffer)

@@ -51,7 +51,55 @@ def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, params)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, params: dict) -> torch.Tensor:
+    # YaRN (DeepSeek-V2/V3 long context): interpolated frequencies below the correction
+    # range, extrapolated above it, a linear ramp between -- transformers' formula.
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)
+    ramp = torch.clamp(ramp, 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(params: dict) -> float:
+    """The factor YaRN multiplies cos/sin by (1 for the other rope types); DeepSeek's
+    checkpoints give mscale == mscale_all_dim, which makes it 1 and moves the whole
+    correction into the softmax scale (yarn_softmax_scale)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, mscale_all = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(params: dict, scale: float) -> float:
+    """DeepSeek's softmax scale under YaRN: head_dim ** -0.5 times mscale(mscale_all_dim) squared."""
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,6 +110,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.inv_freq = compute_inv_freq(head_dim, params)
+        self.attention_factor = attention_factor(params)
         # cos/sin tables are built lazily per (device, dtype): the model may be created on
         # the meta device and materialized later, which would wipe a precomputed buffer.
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -74,8 +123,11 @@ class RotaryEmbedding(nn.Module):
             pos = torch.arange(self.max_position, dtype=torch.float32, device=device)
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
             # Cast like transformers: compute in fp32, apply in the activation dtype.
-            self._tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._tables[key] = (cos.to(dtype), sin.to(dtype))
         return self._tables[key]
 
     def forward(

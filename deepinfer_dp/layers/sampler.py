@@ -18,6 +18,7 @@ import torch
 from deepinfer_dp.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deepinfer_dp.spec_decode.rejection import DraftRows
     from deepinfer_dp.structured_output.manager import GrammarMask
 
 # Exponential noise of exactly 0 would turn a 0-probability token into 0/0=NaN,
@@ -66,6 +67,8 @@ class SamplingBatch:
     max_num_logprobs: int | None = None
     # Structured output: the bitmask of the constrained rows (None: no row is constrained).
     grammar: "GrammarMask | None" = None
+    # Speculative decoding with a draft model: sampled rows that verify a draft drawn from q.
+    draft: "DraftRows | None" = None
 
     @classmethod
     def build(
@@ -105,6 +108,12 @@ class SamplingBatch:
         """Adds the step's grammar mask; a masked batch is never the one-argmax fast path."""
         if mask is not None:
             self.grammar, self.fast_greedy = mask, False
+        return self
+
+    def with_drafts(self, draft: "DraftRows | None") -> "SamplingBatch":
+        """Adds the rows whose drafts need the min(1, p/q) test (spec_decode/rejection.py)."""
+        if draft is not None and draft.rows.numel():
+            self.draft = draft
         return self
 
     def _set_sampling(
@@ -253,10 +262,16 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if batch.min_p is not None:
             apply_min_p(probs, batch.min_p)
+        # draft rows: the target's p before the race below overwrites `probs`
+        draft_p = probs[batch.draft.rows] if batch.draft is not None else None
         noise = _exponential_noise(probs, batch.seeded_rows)
         # Exponential race: argmax(p / E) with E ~ Exp(1) picks i with prob p_i,
         # and needs no normalization, so filtered (zeroed) tokens never win.
         ids = probs.div_(noise).argmax(dim=-1)
+        if draft_p is not None:
+            from deepinfer_dp.spec_decode.rejection import verify  # (it imports this module)
+
+            ids[batch.draft.rows] = verify(draft_p, batch.draft)
         # A row whose logits were all -inf (or held NaN/inf) has NaN probs; fall
         # back to the raw top token rather than an arbitrary id. No `.any()`
         # check: it would cost a device sync every step.

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
+from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -48,12 +49,17 @@ def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, int, 
 
 def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V: for sizing the cache to memory."""
+    if is_mla(config):  # DeepSeek: one latent row per token and layer
+        return mla_bytes_per_block(config, block_size, dtype)
     per_layer = block_size * num_kv_heads(config) * head_dim(config) * dtype.itemsize
     return 2 * num_layers(config) * per_layer
 
 
 def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]] | list[torch.Tensor]:
+    """Per layer a (K, V) cache pair; for MLA models (DeepSeek) one latent cache tensor."""
+    if is_mla(config):
+        return allocate_mla_cache(config, num_blocks, block_size, dtype, device)
     shape = kv_cache_shape(config, num_blocks, block_size)
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed

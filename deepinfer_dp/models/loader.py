@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from deepinfer_dp.models.deepseek import DEEPSEEK_MODEL_TYPES, DeepseekForCausalLM
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_supported
 from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES, MoeForCausalLM
@@ -25,7 +26,8 @@ from deepinfer_dp.worker.cpu_malloc import release_freed_memory
 
 # model_type -> the class that serves it
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    **dict.fromkeys(SUPPORTED_MODEL_TYPES, LlamaForCausalLM), **dict.fromkeys(MOE_MODEL_TYPES, MoeForCausalLM)}
+    **dict.fromkeys(SUPPORTED_MODEL_TYPES, LlamaForCausalLM), **dict.fromkeys(MOE_MODEL_TYPES, MoeForCausalLM),
+    **dict.fromkeys(DEEPSEEK_MODEL_TYPES, DeepseekForCausalLM)}
 
 
 @dataclass
@@ -92,7 +94,7 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
     model holds only the routed experts of `expert_shard` (rank, size)."""
     cls = MODEL_CLASSES[config.model_type]
     with torch.device("meta"):
-        model = cls(config, expert_shard) if cls is MoeForCausalLM else cls(config)
+        model = cls(config, expert_shard) if issubclass(cls, MoeForCausalLM) else cls(config)
     model.to_empty(device=device)
     if model.tie_word_embeddings:  # to_empty breaks the sharing; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -108,7 +110,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     model_dir = resolve_model_dir(model)
     config = load_hf_config(model_dir)
     device = torch.device(device)
-    dense = config.model_type not in MOE_MODEL_TYPES
+    dense = config.model_type not in MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
     if packed and dense and device.type == "cpu" and dtype == torch.float32:
         if (model_dir / PACKED_FILE).is_file():  # a converted GGUF file
             weights = read_packed_dir(model_dir, safetensors_files(model_dir))

@@ -46,6 +46,10 @@ class MoeSpec:
 
 
 def moe_spec(config) -> MoeSpec:
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):  # models/deepseek.py routes them itself
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        return MoeSpec(config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       bool(config.norm_topk_prob), shared)
     if config.model_type == "mixtral":
         return MoeSpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True, 0)
     intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -102,7 +106,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.expert_shard = expert_shard
         super().__init__(config)
         self.spec = moe_spec(config)
-        self.moe_blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        # the feed-forward blocks with routed experts (SparseMoeBlock, DeepSeek's DeepseekMoE)
+        self.moe_blocks = [layer.mlp for layer in self.model.layers
+                           if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]
         # Token-slots per (MoE layer, expert) this rank's experts computed: its expert load.
         self.expert_tokens = np.zeros((len(self.moe_blocks), self.spec.num_experts), dtype=np.int64)
         for row, block in zip(self.expert_tokens, self.moe_blocks, strict=True):

@@ -16,7 +16,11 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: Literal["ngram"] = Field(description="ngram: prompt lookup, drafts from the sequence's own history")
+    method: Literal["ngram", "draft_model", "mtp"] = Field(
+        description="ngram: prompt lookup, drafts from the sequence's own history; draft_model: a smaller "
+                    "model of the same tokenizer drafts autoregressively; mtp: DeepSeek-V3's next-n layer "
+                    "from the target's checkpoint drafts from the target's hidden states")
+    model: str | None = Field(None, description="draft_model: the draft model (Hugging Face directory or .gguf)")
     num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens verified per step (K)")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up")
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (tried first)")
@@ -27,9 +31,17 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unbuilt(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("method") in ("draft_model", "mtp", "eagle"):
-            raise ValueError(f"method: {data['method']!r} is not available yet; use 'ngram'")
+        if isinstance(data, dict) and data.get("method") == "eagle":
+            raise ValueError("method: 'eagle' is not available yet; use 'ngram', 'draft_model' or 'mtp'")
         return data
+
+    @model_validator(mode="after")
+    def _model_for_draft(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("model: method 'draft_model' needs the draft model's path")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"model: only method 'draft_model' takes a model (method is {self.method!r})")
+        return self
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:

@@ -10,23 +10,31 @@ Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
   no drafts; one undeferred step later it has them.)
 Lockstep is unchanged: a speculative step is one engine step, and the placeholder step
 feeds 1 + K dummy tokens (draft padding), so its shapes match a speculative step's.
+
+A draft model (spec_decode/draft_model.py) runs over the target's speculative passes only:
+ZOS-deferred and auto-off steps cost nothing extra, and the draft catches up on the tokens
+it missed (one draft pass) the next time it drafts for that sequence.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from deepinfer_dp import _C
+from deepinfer_dp.layers.sampler import SamplingBatch
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer
+from deepinfer_dp.spec_decode.rejection import DraftRows
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.spec_steps = 0  # steps with speculation on (drafted, not deferred); auto-off steps are not counted
 
     def before_schedule(self, scheduler: _C.Scheduler) -> bool:
@@ -38,6 +46,41 @@ class Speculator:
         self.proposer.propose(scheduler, self.k)
         self.spec_steps += 1
         return True
+
+    def after_step(self, sched_out: _C.SchedulerOutput, speculating: bool) -> None:
+        """Tells a proposer with its own network which positions its forward saw (only
+        speculative steps'; a draft model catches up on the others when it drafts next)."""
+        seen = getattr(self.proposer, "after_target", None)
+        if seen is not None and not sched_out.is_empty():
+            seen(sched_out, speculating)
+
+    def with_drafts(self, batch: SamplingBatch | None, sched_out: _C.SchedulerOutput,
+                    requests: dict[str, Any]) -> SamplingBatch | None:
+        """Adds to a step's sampling batch the rows verifying drafts that were sampled from a
+        distribution q (draft model, sampled requests): they need the min(1, p/q) test."""
+        probs_of = getattr(self.proposer, "draft_probs", None)
+        if batch is None or probs_of is None or batch.all_greedy:
+            return batch
+        rids, fed, row_token = sched_out.sample_request_ids, sched_out.input_ids, sched_out.sample_indices
+        rows, tokens, qs, gens = [], [], [], []
+        start = 0
+        while start < len(rids):  # a sequence's rows are contiguous: 1 + its number of drafts
+            end = start + 1
+            while end < len(rids) and rids[end] == rids[start]:
+                end += 1
+            k, q = end - start - 1, probs_of(rids[start])
+            if k > 0 and q is not None:
+                rows += range(start, start + k)
+                tokens += [int(fed[row_token[r] + 1]) for r in range(start, start + k)]  # draft j after row j
+                qs.append(q[:k])
+                gens += [requests[rids[start]].generator] * k
+            start = end
+        if not rows:
+            return batch
+        device = qs[0].device
+        return batch.with_drafts(DraftRows(torch.tensor(rows, dtype=torch.int64, device=device),
+                                           torch.tensor(tokens, dtype=torch.int64, device=device),
+                                           torch.cat(qs), tuple(gens)))
 
     @staticmethod
     def stats(scheduler_stats: dict[str, Any]) -> dict[str, Any]:
@@ -54,18 +97,32 @@ class Speculator:
         }
 
 
-def for_engine(value: dict[str, Any] | None, runner: Any) -> Speculator | None:
-    """The engine's speculator (None when speculation is off); gives the runner's
-    placeholder step its draft padding."""
+def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
+    """The engine's speculator (None when speculation is off), for an LLMEngine being built
+    (its worker, scheduler, tokenizer and request table exist); gives the runner's
+    placeholder step its draft padding and, for a draft model, shows it every target pass."""
     config = parse_speculative_config(value)
     if config is None:
         return None
+    runner = engine.worker.runner
     if config.num_speculative_tokens + 1 > runner.block_size:
         raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {config.num_speculative_tokens + 1} "
                          f"must fit one KV block (block_size={runner.block_size}): the placeholder step's "
                          "draft padding lives in the reserved block 0")
     runner.placeholder_tokens = 1 + config.num_speculative_tokens
-    return Speculator(config)
+    proposer = None
+    if config.method == "draft_model":
+        from deepinfer_dp.spec_decode.draft_model import build_draft_proposer
+
+        proposer = build_draft_proposer(config.model, engine)
+        runner.target_observer = proposer.observe_target
+    elif config.method == "mtp":
+        from deepinfer_dp.spec_decode.mtp import build_mtp_proposer
+
+        proposer = build_mtp_proposer(engine)
+        runner.target_observer = proposer.observe_target
+        runner.observe_every_pass = True
+    return Speculator(config, proposer)
 
 
 def may_draft(params: SamplingParams) -> bool:
@@ -80,7 +137,8 @@ def may_draft(params: SamplingParams) -> bool:
     (n-gram, and any deterministic proposer) this IS rejection sampling, lossless: draft j
     is kept with probability p_j(draft), and on rejection the row's token is a draw from
     p_j restricted to the other tokens, renormalised. A proposer with its own draft
-    distribution q (a draft model sampling) needs the general min(1, p/q) test instead.
+    distribution q (a draft model sampling) needs the general min(1, p/q) test instead
+    (spec_decode/rejection.py, through Speculator.with_drafts).
 
     A structured-output request does not draft either: its token mask for row j would need
     the grammar advanced over the unverified drafts before it."""

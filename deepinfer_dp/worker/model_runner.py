@@ -8,6 +8,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
+from deepinfer_dp.spec_decode.proposer import TargetStep
 from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
 
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
@@ -40,6 +42,7 @@ class ModelInput:
     prev_tokens: torch.Tensor | None = None  # the previous step's sampled ids (on the device)
     # Prefill rows whose logits requests want as prompt logprobs; forward() fills its result.
     prompt_logprobs: prompt_logprobs.PromptLogprobsSpec | None = None
+    observe_target: bool = False  # a speculative step: the proposer's network (target_observer) sees it
 
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
@@ -92,6 +95,11 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft padding).
         self.placeholder_tokens = 1
+        # A proposer with its own network (draft model, MTP head) sees every target forward.
+        self.target_observer: Callable[[TargetStep], None] | None = None
+        # An MTP head drafts from the target's hidden states, which it cannot recompute: it
+        # sees every pass but the placeholder's, not only the speculative ones.
+        self.observe_every_pass = False
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -159,6 +167,10 @@ class ModelRunner:
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self._thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
+            observe = inp.observe_target or (self.observe_every_pass and not inp.attn_metadata.is_placeholder)
+            if self.target_observer is not None and observe:
+                self.target_observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden,
+                                                inp.sample_indices))
             if inp.prompt_logprobs is not None:
                 prompt_logprobs.compute(self.model.compute_logits, hidden, inp.prompt_logprobs)
             if inp.sample_indices is None or inp.sample_indices.numel() == 0:

@@ -89,8 +89,10 @@ class Worker:
         self.device_busy_s = 0.0
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
-                           prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True) -> list:
-        """`defer=False` post-processes even a ZOS decode step in place (speculative steps)."""
+                           prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True,
+                           speculative: bool = False) -> list:
+        """`defer=False` post-processes even a ZOS decode step in place (speculative steps);
+        `speculative`: a proposer with a network of its own sees this step's forward."""
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
@@ -98,6 +100,7 @@ class Worker:
         else:
             model_input = self.runner.prepare(sched_out)
             model_input.prompt_logprobs = prompt_logprobs
+            model_input.observe_target = speculative
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step
@@ -122,6 +125,12 @@ class Worker:
         """Post-processes the step ZOS kept back; the step loop calls this once at the end."""
         state, self.prev_step_state = self.prev_step_state, None
         return self._post_process_step(state, host)
+
+    def run_on_device(self, fn, *args):
+        """Runs `fn` where the forward passes run and waits for its result (a proposer's
+        drafting between steps: its torch ops must share the device thread's OpenMP team)."""
+        result = self._on_device(fn, *args)
+        return result.result() if isinstance(result, Future) else result
 
     def _on_device(self, fn, *args):
         """Queues `fn` on the device thread (CPU) or runs it now (CUDA: kernels are queued

@@ -16,14 +16,19 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.slow
-def test_dp2_speculation_on_both_ranks_matches_dp1(tiny_model_dir, ray_cluster):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_dp2_speculation_on_both_ranks_matches_dp1(tiny_model_dir, ray_cluster, method):
     from deepinfer_dp.entrypoints.llm import LLM
+
+    # draft_model: the target drafting for itself, each rank with its own draft cache
+    spec = SPEC if method == "ngram" else {"method": "draft_model", "model": str(tiny_model_dir),
+                                           "num_speculative_tokens": 3}
 
     dp1 = LLM(str(tiny_model_dir), decode_sequence=False, **ENGINE)
     want = token_ids(dp1.generate(PROMPTS, PARAMS, use_tqdm=False))
     dp1.shutdown()
     llm = LLM(str(tiny_model_dir), decode_sequence=False, dp_size=2, dp_options={"collective_timeout_s": 10},
-              speculative_config=SPEC, **ENGINE)
+              speculative_config=spec, **ENGINE)
     try:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert token_ids(results) == want
@@ -37,6 +42,8 @@ def test_dp2_speculation_on_both_ranks_matches_dp1(tiny_model_dir, ray_cluster):
         assert stats[0]["generate_step"] == stats[1]["generate_step"]
         for s in stats:
             assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_num_draft_tokens"] > 0
+            if method == "draft_model":
+                assert s["spec_decode_acceptance_rate"] == 1.0
         # (the random tiny model seldom continues its own n-grams, so few or no drafts are
         # accepted here: acceptance itself is checked at DP=1, tests/engine/test_spec_decode_engine.py)
     finally:

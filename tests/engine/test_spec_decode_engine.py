@@ -165,7 +165,10 @@ def test_placeholder_step_carries_draft_padding(tiny_model_dir):
 
 @pytest.mark.parametrize("bad, match", [
     ({"method": "ngram"}, "num_speculative_tokens: Field required"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not available yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method 'mtp' needs a DeepSeek-V3 model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model: method 'draft_model' needs"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only method 'draft_model' takes a model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),

@@ -1,0 +1,129 @@
+"""DeepSeek-V3's next-n (multi-token prediction, MTP) layer, for drafting.
+
+A checkpoint stores it after the last decoder layer, as model.layers.<num_hidden_layers>.*:
+enorm and hnorm (RMSNorms), eh_proj (Linear 2H -> H), one decoder block (MLA + DeepSeekMoE)
+and shared_head.norm; the embedding and the output head are the main model's (a copy the
+checkpoint may carry under the layer, shared_head.head / embed_tokens, is not read). For the
+target's hidden state h_t at position t and the token x_{t+1}:
+
+    out = block(eh_proj([enorm(embed(x_{t+1})), hnorm(h_t)]))   at position t
+    logits = head(shared_head.norm(out))                          (predicts x_{t+2})
+
+As vLLM does, the embedding at position 0 is zeroed. K > 1 drafts feed `out` back as the next
+step's h. The block holds all of its routed experts on every rank and runs them locally (no
+expert-parallel dispatch): one layer's experts are small against the model's, and a local
+layer has no collectives, so ranks drafting different amounts never wait on each other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from deepinfer_dp.layers.attention import AttentionMetadata, ForwardContext
+from deepinfer_dp.layers.norm import RMSNorm
+from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
+from deepinfer_dp.models.deepseek import DeepseekDecoderLayer, interleaved_rope, rope_rows_to_rotate_half
+from deepinfer_dp.models.llama import head_dim
+
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = {"gate_proj": 0, "up_proj": 1}
+_SHARED_WITH_MAIN = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class DeepseekMTP(nn.Module):
+    def __init__(self, config, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        super().__init__()
+        if config.model_type != "deepseek_v3" or not getattr(config, "num_nextn_predict_layers", 0):
+            raise ValueError("speculative_config method 'mtp' needs a DeepSeek-V3 model whose config has "
+                             "num_nextn_predict_layers >= 1 (its checkpoint stores the next-n layer)")
+        self.config = config
+        self.layer_index = config.num_hidden_layers
+        self.context = ForwardContext()
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_parameters(config))
+        self.block = DeepseekDecoderLayer(config, self.context, rotary, self.layer_index, (0, 1))
+        self.shared_head_norm = RMSNorm(hidden, config.rms_norm_eps)
+        # Not submodules: the main model's, shared (and not loaded twice).
+        self._shared = (embed_tokens, lm_head)
+
+    def bind_kv_cache(self, cache: torch.Tensor) -> None:
+        self.block.self_attn.cache = cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                previous_hidden: torch.Tensor) -> torch.Tensor:
+        """The block's output [T, H] (before shared_head.norm): the next step's h."""
+        embeds = self._shared[0](input_ids)
+        embeds = torch.where(positions[:, None] == 0, torch.zeros_like(embeds), embeds)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden)], dim=-1))
+        self.context.attn_metadata = attn_metadata
+        try:
+            return self.block(positions, x)
+        finally:
+            self.context.attn_metadata = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._shared[1](self.shared_head_norm(hidden)).float()
+
+    # ---- loading -----------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reads model.layers.<num_hidden_layers>.* from the checkpoint's (name, tensor) pairs;
+        raises ValueError naming what is missing."""
+        prefix = f"model.layers.{self.layer_index}."
+        loaded: set[str] = set()  # our parameter names, "#piece" for parts of fused ones
+        for name, tensor in weights:
+            if name.startswith(prefix) and name[len(prefix):] not in _SHARED_WITH_MAIN:
+                self._load(name, name[len(prefix):], tensor, loaded)
+        missing = sorted(self._expected_pieces() - loaded)
+        if missing:
+            raise ValueError(f"speculative_config method 'mtp': the checkpoint's next-n layer ({prefix}*) is "
+                             f"missing {', '.join(missing[:6])}" + (" and more" if len(missing) > 6 else ""))
+
+    def _expected_pieces(self) -> set[str]:
+        pieces = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("gate_up_proj.weight"):
+                pieces |= {f"{name}#gate_proj", f"{name}#up_proj"}
+            elif name.endswith(("experts.w13", "experts.w2")):
+                projs = ("gate_proj", "up_proj") if name.endswith("w13") else ("down_proj",)
+                pieces |= {f"{name}#{e}.{p}" for e in range(self.config.n_routed_experts) for p in projs}
+            else:
+                pieces.add(name)
+        return pieces
+
+    def _load(self, full: str, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+        params = dict(self.named_parameters())
+        expert = _EXPERT.match(name)
+        fused = next((p for p in _FUSED if f".{p}." in f".{name}"), None)
+        if expert:
+            moe, (e, proj) = self.block.mlp.experts, (int(expert.group(1)), expert.group(2))
+            if not 0 <= e < moe.num_experts:
+                raise ValueError(f"checkpoint weight {full!r}: expert {e} outside the layer's {moe.num_experts}")
+            inter = moe.intermediate_size
+            dst = moe.w2[e] if proj == "down_proj" else moe.w13[e].narrow(0, _FUSED[proj] * inter, inter)
+            piece = f"block.mlp.experts.{'w2' if proj == 'down_proj' else 'w13'}#{e}.{proj}"
+        else:
+            target = name.replace(fused, "gate_up_proj") if fused else name
+            target = {"shared_head.norm.weight": "shared_head_norm.weight"}.get(target, target)
+            if target.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head_norm"):
+                target = "block." + target
+            if target not in params:
+                raise ValueError(f"checkpoint weight {full!r} has no place in the MTP layer")
+            dst, piece = params[target], target
+            if fused:
+                half = dst.shape[0] // 2
+                dst, piece = dst.narrow(0, _FUSED[fused] * half, half), f"{target}#{fused}"
+            elif ".self_attn." in f".{name}" and interleaved_rope(self.config):
+                tensor = rope_rows_to_rotate_half(self.config, full, tensor)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"checkpoint weight {full!r} has shape {tuple(tensor.shape)}, "
+                             f"the MTP layer expects {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        loaded.add(piece)

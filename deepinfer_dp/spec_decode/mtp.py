@@ -1,0 +1,155 @@
+"""The MTP proposer: DeepSeek-V3's next-n layer (models/deepseek_mtp.py) drafts K tokens per
+candidate from the target's last hidden state and the sampled token, K > 1 reusing the layer
+on its own output.
+
+It is the draft-model proposer (spec_decode/draft_model.py) with the MTP layer as the draft:
+the same scratch blocks, the same drafting loop on the device thread, the same draft
+sampling. The MTP layer's latent cache is one more layer laid out on the target's block ids,
+so the C++ block bookkeeping (rollback, preemption, prefix caching) serves it too.
+
+Unlike the draft model, it cannot catch up on passes it did not see (the target's hidden
+states are gone), so it sees every target pass but the placeholder's, speculative or not
+(ModelRunner.observe_every_pass); it has no catch-up pass and nothing to track per step.
+
+Its cache entry at position t is MTP(h_t, x_{t+1}). Every target pass (`observe_target`)
+writes the entries of its rows whose next token it fed (within each sequence); the first
+drafting step of a sequence of length L writes position L - 2 (h_{L-2} and the newest token,
+x_{L-1}) -- the entry the pass could not, its next token not being sampled yet. Entries a
+pass wrote from a draft that was then rejected sit at L - 2 and are rewritten the same way.
+Two kinds stay stale: the last position of a prefill chunk and of a prefix-cache hit, written
+with another next token. They only cost acceptance, never correctness: every draft is
+verified by the target.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.linear import replace_linears
+from deepinfer_dp.layers.mla import allocate_mla_cache
+from deepinfer_dp.models.deepseek_mtp import DeepseekMTP
+from deepinfer_dp.spec_decode.draft_model import DraftModelProposer, _DraftSampler
+from deepinfer_dp.spec_decode.proposer import TargetStep
+
+RECENT_STEPS = 4  # target passes whose hidden states are kept for finding h_{L-2}
+
+
+class MTPProposer(DraftModelProposer):
+    def __init__(self, mtp: DeepseekMTP, num_blocks: int, block_size: int, max_num_seqs: int,
+                 requests: Mapping[str, Any], run_on_device: Callable, cpu_linear_kernel: bool = True) -> None:
+        self.model = mtp
+        self.block_size = block_size
+        self.scratch_start = num_blocks
+        self.requests = requests
+        self.run_on_device = run_on_device
+        param = next(mtp.parameters())
+        self.device, dtype = param.device, param.dtype
+        if self.device.type == "cpu" and dtype == torch.float32 and cpu_linear_kernel:
+            replace_linears(mtp)
+        config = mtp.config
+        one_layer = type("OneLayer", (), {"num_hidden_layers": 1, "kv_lora_rank": config.kv_lora_rank,
+                                          "qk_rope_head_dim": config.qk_rope_head_dim})
+        self.cache = allocate_mla_cache(one_layer, num_blocks + max_num_seqs, block_size, dtype, self.device)[0]
+        mtp.bind_kv_cache(self.cache)
+        self._probs: dict[str, torch.Tensor] = {}
+        # (slot_mapping, hidden_states) of the latest target passes, newest first
+        self._recent: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=RECENT_STEPS)
+        self.forward_time_s = 0.0
+
+    # ---- the target's passes ---------------------------------------------------------------
+    @torch.inference_mode()
+    def observe_target(self, step: TargetStep) -> None:
+        md = step.attn_metadata
+        ids = step.input_ids
+        last = md.query_start_loc[1:].long() - 1  # each sequence's last row: next token not sampled yet
+        nxt = torch.roll(ids, -1)
+        nxt[last] = ids[last]  # a stand-in; the first drafting step rewrites that entry
+        self.model(nxt, step.positions, md, step.hidden_states)
+        self._recent.appendleft((md.slot_mapping, step.hidden_states))
+
+    def _hidden_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The target's hidden state at each slot, from the newest pass that wrote it (zeros
+        if none kept has: those drafts are just poor)."""
+        dtype = next(self.model.parameters()).dtype
+        out = torch.zeros(slots.shape[0], self.model.config.hidden_size, dtype=dtype, device=self.device)
+        found = torch.zeros(slots.shape[0], dtype=torch.bool, device=self.device)
+        for slot_mapping, hidden in self._recent:
+            match = slots[:, None] == slot_mapping[None, :]
+            hit = match.any(dim=1) & ~found
+            if hit.any():
+                out[hit] = hidden[match[hit].float().argmax(dim=1)].to(out.dtype)
+                found |= hit
+        return out
+
+    def after_target(self, sched_out: Any, observed: bool) -> None:
+        """Nothing to track: the MTP layer sees every pass (ModelRunner.observe_every_pass)."""
+
+    def _missing(self, seqs: list) -> list:
+        return []  # no catch-up passes: the target's hidden states cannot be recomputed here
+
+    # ---- between steps: draft ------------------------------------------------------------
+    @torch.inference_mode()
+    def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int, states: list[Any],
+               missing: list | None = None) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
+        n, bs = len(lens), self.block_size
+        table = np.zeros((n, max(len(t) for t in tables) + 1), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+            table[i, len(t)] = self.scratch_start + i
+        pos = np.asarray(lens, dtype=np.int64) - 2  # h_{L-2} with the newest token x_{L-1}
+        block_tables = torch.from_numpy(table).to(self.device)
+        first_slots = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        hidden = self._hidden_at(torch.from_numpy(first_slots).to(self.device))
+        sampler = _DraftSampler(states, self.device)
+        tokens = torch.tensor(lasts, dtype=torch.int64, device=self.device)
+        out, probs = [], []
+        for _ in range(k):
+            hidden = self._mtp_step(tokens, hidden, pos, table, block_tables)
+            tokens, q = sampler.choose(self.model.compute_logits(hidden))
+            out.append(tokens)
+            probs.append(q)
+            pos = pos + 1
+        return torch.stack(out, dim=1).cpu().numpy(), sampler.per_row(probs, n)
+
+    def _mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: np.ndarray, table: np.ndarray,
+                  block_tables: torch.Tensor) -> torch.Tensor:
+        n, bs = len(pos), self.block_size
+        slots = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        seq_lens = (pos + 1).astype(np.int32)
+        md = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.from_numpy(slots).to(self.device), block_tables=block_tables,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.from_numpy(seq_lens).to(self.device), query_lens_host=[1] * n,
+            seq_lens_host=seq_lens.tolist(), max_query_len=1, max_seq_len=int(seq_lens.max()))
+        return self.model(tokens, torch.from_numpy(pos.copy()).to(self.device), md, hidden)
+
+
+def load_mtp_layer(target) -> DeepseekMTP:
+    """The next-n layer of `target` (a loaded DeepseekForCausalLM) from its checkpoint, on
+    the target's device and dtype, sharing its embedding and head."""
+    from pathlib import Path
+
+    from deepinfer_dp.models.loader import iterate_weights
+
+    config = target.config
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    param = next(target.parameters())
+    with torch.device("meta"):
+        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head)
+    mtp.to_empty(device=param.device)
+    mtp = mtp.to(param.dtype)
+    mtp.load_weights(iterate_weights(Path(target.source_dir), lambda name: name.startswith(prefix)))
+    return mtp.eval().requires_grad_(False)
+
+
+def build_mtp_proposer(engine: Any) -> MTPProposer:
+    """The MTP proposer of `engine` (an LLMEngine being built)."""
+    runner, cfg = engine.worker.runner, engine.config
+    return MTPProposer(load_mtp_layer(runner.model), runner.num_blocks, runner.block_size, cfg.max_num_seqs,
+                       engine.requests, engine.worker.run_on_device, cfg.cpu_linear_kernel)
