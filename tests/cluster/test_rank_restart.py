@@ -8,15 +8,19 @@ by both ranks."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from server_proc import stream_completion  # noqa: E402  (the benchmark's reading of a stream)
 
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
@@ -52,27 +56,10 @@ def _greedy() -> SamplingParams:
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> tuple[str, dict | None, float]:
-    """One streamed completion: its text, the error event if one came, and when it ended."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    text, error, first = "", None, True
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:  # failed before its first token: a 503 in OpenAI's shape
-            assert r.status_code == 503, await r.aread()
-            started.put_nowait(prompt)
-            return "", json.loads(await r.aread())["error"], time.monotonic()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if first:
-                first = False
-                started.put_nowait(prompt)
-            if "error" in event:
-                error = event["error"]
-            else:
-                text += event["choices"][0]["text"]
-    return text, error, time.monotonic()
+    """One streamed completion: its text, the error that ended it (an error event, or a 503 in
+    OpenAI's shape before its first token), and when it ended."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return await stream_completion(http, body, started)
 
 
 async def _storm_with_kill(url: str, pid: int) -> tuple[list, float]:
