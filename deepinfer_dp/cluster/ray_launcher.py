@@ -100,6 +100,9 @@ class RankActor:
     def ping(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self, timeout_s: float) -> bool:
         """Waits for the rank to leave after the router's Shutdown; True when it did."""
         if self._thread is not None:
@@ -144,8 +147,9 @@ class RankSpec:
 
 class RouterActor:
     """The router process (cluster/router.py) as a Ray actor, with the rank actors as its
-    Liveness: it checks them, kills them, and starts a new one in a dead rank's bundle. It
-    also serves the store the first DP group forms on."""
+    Liveness: it checks them, kills them, and replaces a dead one: by the warm spare when there
+    is one (a rank process with its imports done, most of a restart's time), else by a new
+    actor in the dead rank's bundle. It also serves the store the first DP group forms on."""
 
     def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int,
                  key: ClusterKey | None = None) -> None:
@@ -170,7 +174,8 @@ class RouterActor:
         self.spec, self.infos, self.actors = spec, list(infos), list(actors)
         self.router.attach_ranks([i["address"] for i in infos], liveness=self)
         self.router.start()
-        self._new_spare()
+        with self._spare_lock:
+            self._new_spare()
 
     def _new_spare(self) -> None:
         if self.router.membership.max_restarts > 0:
@@ -203,13 +208,24 @@ class RouterActor:
         with no group; its address (the router then takes it back with a Reform at full size).
         A spare that took over is replaced by a new one, warming up in the background."""
         with self._spare_lock:
-            actor, self.spare = self.spare, None
+            spare, self.spare = self.spare, None
         args = (self.router.backend_address, self.spec.timeout_s, self.spec.host)
-        if actor is not None:
-            call = actor.take_over.remote(dp_rank, *args)
-        else:
+        info = None
+        if spare is not None:
+            try:
+                info = self._serving(dp_rank, spare, spare.take_over.remote(dp_rank, *args))
+            except ray.exceptions.RayActorError:  # the spare itself died: a new process then
+                logger.exception("DP rank %d: the spare rank process is gone; starting a new one", dp_rank)
+        if info is None:
             actor = self.spec.create(dp_rank)
-            call = actor.rejoin.remote(*args)
+            info = self._serving(dp_rank, actor, actor.rejoin.remote(*args))
+        with self._spare_lock:
+            if self.spare is None:
+                self._new_spare()
+        return info["address"]
+
+    def _serving(self, dp_rank: int, actor, call) -> dict:
+        """`actor` is DP rank `dp_rank` from now on; its info once `call` (loading) returns."""
         self.actors[dp_rank] = actor  # from now on, alive() and kill() mean this one
         try:
             info = ray.get(call, timeout=START_TIMEOUT_S)
@@ -217,10 +233,7 @@ class RouterActor:
             ray.kill(actor, no_restart=True)
             raise
         self.infos[dp_rank] = info
-        with self._spare_lock:
-            if self.spare is None:
-                self._new_spare()
-        return info["address"]
+        return info
 
     def stop(self) -> None:
         self.router.close()
@@ -321,6 +334,11 @@ class RayDeployment:
     def rank_infos(self) -> list[dict]:
         """The ranks' (address, pid, ...) as they are now (`infos` are the first processes)."""
         return ray.get(self.router.rank_infos.remote(), timeout=STOP_TIMEOUT_S)
+
+    def spare_pid(self) -> int | None:
+        """The warm spare rank's process, if there is one now (tests, fault drills)."""
+        spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
+        return None if spare is None else ray.get(spare.pid.remote(), timeout=STOP_TIMEOUT_S)
 
     def shutdown(self) -> None:
         spare = None

@@ -1,7 +1,8 @@
 """A DP rank's process is killed while 100 streams run on a DP=2 server (the tiny model):
 the survivor's streams finish token-identical to offline generation, the dead rank's end with
-an OpenAI-shaped error naming the rank within 5 s, the launcher starts a new process that
-rejoins the group at full size without restarting the survivor, /health and
+an OpenAI-shaped error naming the rank within 5 s, the warm spare rank process takes its
+place and rejoins the group at full size without restarting the survivor (and a new spare
+starts), /health and
 deepinfer:rank_up show the rank down and then up, and a second wave of 100 requests is served
 by both ranks."""
 
@@ -137,6 +138,8 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
     with served(model_dir, dp_size=2, kv_cache_memory_gb=KV_GB) as srv:
         deployment = srv.client.deployment
         survivor_pid, old_pid = (i["pid"] for i in deployment.rank_infos())
+        spare_pid = deployment.spare_pid()
+        assert spare_pid not in (None, survivor_pid, old_pid)
         outcomes, killed_at, seen_down = asyncio.run(_storm_with_kill(srv.url, old_pid))
         assert seen_down
 
@@ -158,6 +161,8 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
         assert len(results) > 8 and all(text == expected[i] for i, text in results)
         infos = deployment.rank_infos()
         assert infos[0]["pid"] == survivor_pid and infos[1]["pid"] != old_pid  # only the dead rank restarted
+        assert infos[1]["pid"] == spare_pid  # the warm spare took its place,
+        assert deployment.spare_pid() not in (None, spare_pid, survivor_pid)  # and a new spare waits
         assert _metric(srv.url, "rank_up") == {"0": 1.0, "1": 1.0}
 
         routed_before = _metric(srv.url, "requests_routed_total")
