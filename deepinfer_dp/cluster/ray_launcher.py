@@ -63,13 +63,14 @@ class RankActor:
         (sent when it takes the rank back) makes it join the others'."""
         return self._serve(self._load(), router_addr, timeout_s, host)
 
-    def warm(self) -> bool:
+    def warm(self) -> int:
         """A spare's work ahead of need: the engine's imports (torch, transformers, the model
-        code), which are most of a new rank's start-up; loading the model itself is short."""
+        code), which are most of a new rank's start-up; loading the model itself is short.
+        Returns the process id."""
         import deepinfer_dp.cluster.rank  # noqa: F401
         import deepinfer_dp.engine.llm_engine  # noqa: F401
 
-        return True
+        return os.getpid()
 
     def take_over(self, dp_rank: int, router_addr: str, timeout_s: float, host: str) -> dict:
         """A warm spare becomes DP rank `dp_rank` (whose process died): rejoin() as that rank."""
@@ -100,9 +101,6 @@ class RankActor:
     def ping(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def stop(self, timeout_s: float) -> bool:
         """Waits for the rank to leave after the router's Shutdown; True when it did."""
         if self._thread is not None:
@@ -131,18 +129,16 @@ class RankSpec:
         ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size, self.key)
 
     def create_spare(self, node_id: str):
-        """A rank process for later, on `node_id`, its imports started (RankActor.warm), or None.
+        """A rank process for later, on `node_id` (call RankActor.warm on it), or None.
         It reserves nothing: it idles until it takes a dead rank's place, and then runs on the
         cores it binds (the dead rank's share; the dead rank's bundle stays reserved and
         unused). GPU ranks get no spare: Ray hands a GPU to an actor only at its creation, in
         the dead rank's bundle."""
         if not self.spare or self.gpus:
             return None
-        actor = ray.remote(RankActor).options(
+        return ray.remote(RankActor).options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         ).remote({**self.config, "dp_rank": 0}, 0, self.dp_size, self.key)
-        actor.warm.remote()
-        return actor
 
 
 class RouterActor:
@@ -164,6 +160,7 @@ class RouterActor:
         self.infos: list[dict] = []
         self.spec: RankSpec | None = None
         self.spare = None  # a warm rank process that replaces the next dead rank (RankSpec.create_spare)
+        self._spare_warm = None  # its RankActor.warm call: the process id once its imports are done
         self._spare_lock = threading.Lock()  # two ranks may die, and restart, at once
 
     def addresses(self) -> dict:
@@ -180,9 +177,16 @@ class RouterActor:
     def _new_spare(self) -> None:
         if self.router.membership.max_restarts > 0:
             self.spare = self.spec.create_spare(ray.get_runtime_context().get_node_id())
+            self._spare_warm = self.spare.warm.remote() if self.spare is not None else None
 
     def spare_actor(self):
         return self.spare
+
+    def spare_pid(self, timeout_s: float) -> int | None:
+        """The spare's process id once it is warm (None: no spare)."""
+        with self._spare_lock:
+            warm = self._spare_warm if self.spare is not None else None
+        return None if warm is None else ray.get(warm, timeout=timeout_s)
 
     def rank_actors(self) -> list:
         return list(self.actors)
@@ -335,10 +339,9 @@ class RayDeployment:
         """The ranks' (address, pid, ...) as they are now (`infos` are the first processes)."""
         return ray.get(self.router.rank_infos.remote(), timeout=STOP_TIMEOUT_S)
 
-    def spare_pid(self) -> int | None:
-        """The warm spare rank's process, if there is one now (tests, fault drills)."""
-        spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
-        return None if spare is None else ray.get(spare.pid.remote(), timeout=STOP_TIMEOUT_S)
+    def spare_pid(self, timeout_s: float = START_TIMEOUT_S) -> int | None:
+        """The spare rank's process once it is warm, if there is one (tests, fault drills)."""
+        return ray.get(self.router.spare_pid.remote(timeout_s), timeout=timeout_s + STOP_TIMEOUT_S)
 
     def shutdown(self) -> None:
         spare = None
