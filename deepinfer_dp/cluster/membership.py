@@ -97,8 +97,10 @@ class Membership:
         return [r for r in self.ranks if r.up]
 
     def health(self) -> list[dict]:
-        return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason}
-                for r in self.ranks]
+        # "restarts": a rank replaced by the warm spare can be down for well under a second,
+        # less than a poll of "up" sees; the count records that it happened.
+        return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason,
+                 "restarts": self.restarts.get(r.dp_rank, 0)} for r in self.ranks]
 
     # ---- failures ------------------------------------------------------------------------
     def group_broken(self, msg: p.GroupBroken) -> bool:
