@@ -16,51 +16,28 @@ round of each counts.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from server_proc import start_server, stop_server
 
 HERE = Path(__file__).resolve().parent
 METRICS = {"req_s": r"request throughput\s+: (\S+)", "tok_s": r"output token throughput: (\S+)",
            "ttft_p50": r"TTFT  p50 / p99\s+: (\S+) / (\S+)", "itl_p50": r"ITL   p50 / p99\s+: (\S+) / (\S+)"}
 
 
-def serve(args: argparse.Namespace, count: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--model", args.model,
-           "--dp-size", str(args.dp_size), "--port", str(port), "--api-server-count", str(count),
-           "--torch-threads", "1", "--max-num-seqs", str(args.max_num_seqs), *args.serve_flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server failed to start:\n{proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.5)
-
-
 def one_round(args: argparse.Namespace, count: int) -> dict:
-    proc, url = serve(args, count)
+    proc, url = start_server(["--model", args.model, "--dp-size", str(args.dp_size), "--api-server-count",
+                              str(count), "--torch-threads", "1", "--max-num-seqs", str(args.max_num_seqs),
+                              *args.serve_flags], env={"RAY_AUTH_MODE": "disabled"})
     try:
         out = subprocess.run([sys.executable, str(HERE / "serving.py"), "--url", url, "--num-prompts",
                               str(args.num_prompts), "--request-rate", str(args.request_rate), "--max-tokens",
                               str(args.max_tokens), "--ignore-eos"], capture_output=True, text=True, check=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        stop_server(proc)
     found = {k: float(re.search(p, out.stdout).group(1)) for k, p in METRICS.items()}
     found["failed"] = out.stdout.count("failed request")
     return found

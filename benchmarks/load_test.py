@@ -27,12 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +36,7 @@ import time
 import httpx
 import numpy as np
 import psutil
+from server_proc import start_server, stop_server
 
 NAME = "load-test"
 
@@ -63,25 +60,12 @@ def offline_reference(args, prompts: list[str]) -> list[str]:
     return out
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--dp-size", str(args.dp_size),
-           "--port", str(port), "--torch-threads", "1", "--served-model-name", NAME,
-           "--max-waiting-requests", str(max(1024, 2 * args.num_requests))]
-    cmd += ["--model", args.model] if args.model else []
-    cmd += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server failed to start:\n{proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.5)
+def server_flags(args) -> list[str]:
+    flags = ["--dp-size", str(args.dp_size), "--torch-threads", "1", "--served-model-name", NAME,
+             "--max-waiting-requests", str(max(1024, 2 * args.num_requests))]
+    flags += ["--model", args.model] if args.model else []
+    flags += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    return flags
 
 
 class PeakRss:
@@ -212,7 +196,7 @@ def run(args) -> list[str]:
     prompts = prompts_of(args.num_requests)
     print(f"offline reference: {len(prompts)} prompts, {args.max_tokens} tokens each", flush=True)
     expected = offline_reference(args, prompts)
-    proc, url = start_server(args)
+    proc, url = start_server(server_flags(args))
     rss = PeakRss(proc.pid)
     problems: list[str] = []
     try:
@@ -252,12 +236,7 @@ def run(args) -> list[str]:
                                 f"{peaks[1] / 2**20:.0f} MiB")
     finally:
         rss.stop()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
     return problems
 
 

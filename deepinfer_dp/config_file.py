@@ -43,6 +43,11 @@ class RouterSection(_Section):
                                                                 "silent this long is declared dead")
     max_rank_restarts: int = Field(3, ge=0, description="times a dead DP rank is restarted (a new process "
                                                         "that rejoins the group); 0: it stays down")
+    data_plane_auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="CURVE authentication and encryption of the router/rank sockets; auto: on "
+                            "when they bind an address other than loopback")
+    spare_rank: bool = Field(True, description="keep one idle rank process with its imports done (CPU "
+                                               "ranks), so that a dead rank is replaced faster")
 
 
 class RaySection(_Section):
@@ -116,7 +121,8 @@ class _DeploymentBase(_Section):
         return {"policy": self.router.policy, "address": self.ray.address,
                 "strategy": self.ray.placement_strategy,
                 "collective_timeout_s": self.router.collective_timeout_s,
-                "max_rank_restarts": self.router.max_rank_restarts}
+                "max_rank_restarts": self.router.max_rank_restarts,
+                "data_plane_auth": self.router.data_plane_auth, "spare_rank": self.router.spare_rank}
 
 
 DeploymentConfig = create_model(

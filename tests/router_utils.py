@@ -10,6 +10,7 @@ import time
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
 from deepinfer_dp.engine.client import TokenDelta
 
 
@@ -18,17 +19,16 @@ class FakeRank:
     set (the request then stays in flight); Abort with an abort delta; StatsQuery with
     {"fake": dp_rank} unless `mute`. Every message received is kept in `received`."""
 
-    def __init__(self, dp_rank: int, backend: str, num_tokens: int = 3) -> None:
+    def __init__(self, dp_rank: int, backend: str, num_tokens: int = 3, key: ClusterKey | None = None) -> None:
         self.dp_rank = dp_rank
         self.num_tokens = num_tokens
         self.hold = False
         self.mute = False
         self.received: queue.Queue = queue.Queue()
-        self._ctx = zmq.Context()
-        self._inbox = self._ctx.socket(zmq.PULL)
-        self.address = f"tcp://127.0.0.1:{self._inbox.bind_to_random_port('tcp://127.0.0.1')}"
-        self._outbox = self._ctx.socket(zmq.PUSH)
-        self._outbox.connect(backend)
+        self._plane = DataPlane(key)
+        self._inbox = self._plane.bound(zmq.PULL, "127.0.0.1")
+        self.address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._outbox = self._plane.connected(zmq.PUSH, backend)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -68,7 +68,7 @@ class FakeRank:
         self._thread.join(timeout=5)
         self._inbox.close(linger=0)
         self._outbox.close(linger=0)
-        self._ctx.term()
+        self._plane.close()
 
 
 class FakeLiveness:
@@ -81,6 +81,7 @@ class FakeLiveness:
         self.restarted: list[FakeRank] = []
         self.restart_gate = threading.Event()
         self.restart_error: Exception | None = None
+        self.key: ClusterKey | None = None  # the restarted ranks' data-plane key
 
     def alive(self, dp_rank: int) -> bool:
         return dp_rank not in self.dead
@@ -94,7 +95,7 @@ class FakeLiveness:
         self.restart_gate.wait(10)
         if self.restart_error is not None:
             raise self.restart_error
-        rank = FakeRank(dp_rank, self.backend)
+        rank = FakeRank(dp_rank, self.backend, key=self.key)
         self.restarted.append(rank)
         self.dead.discard(dp_rank)
         return rank.address

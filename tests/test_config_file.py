@@ -26,7 +26,8 @@ def test_dp2_config_becomes_engine_config_and_dp_options():
     cfg = load_config_file(CONFIGS / "smollm2_dp2.yaml")
     assert cfg.engine_config().torch_threads == 1
     assert cfg.dp_options() == {"policy": "least_loaded", "address": "local", "strategy": "pack",
-                                "collective_timeout_s": 30.0, "max_rank_restarts": 3}
+                                "collective_timeout_s": 30.0, "max_rank_restarts": 3,
+                                "data_plane_auth": "auto", "spare_rank": True}
 
 
 def _write(tmp_path: Path, text: str) -> Path:

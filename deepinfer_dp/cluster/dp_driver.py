@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 from transformers import AutoTokenizer
 
+from deepinfer_dp.cluster.data_plane import ClusterKey
 from deepinfer_dp.cluster.ray_launcher import RayDeployment
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config import EngineConfig
@@ -34,13 +35,14 @@ class DPDriver:
 
     def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
                  strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 max_rank_restarts: int = 3) -> None:
+                 max_rank_restarts: int = 3, data_plane_auth: str = "auto", spare_rank: bool = True) -> None:
         self.config = config = per_rank_threads(config)
         self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host,
-                                        max_rank_restarts=max_rank_restarts)
+                                        max_rank_restarts=max_rank_restarts, data_plane_auth=data_plane_auth,
+                                        spare_rank=spare_rank)
         try:
             self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
-                                  str(config.model or "default"), host)
+                                  str(config.model or "default"), host, self.deployment.key)
         except BaseException:
             self.deployment.shutdown()
             raise
@@ -129,10 +131,11 @@ def per_rank_threads(config: EngineConfig) -> EngineConfig:
 
 
 def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
-            host: str = "127.0.0.1") -> RouterClient:
+            host: str = "127.0.0.1", key: ClusterKey | None = None) -> RouterClient:
     """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
-    server detokenizes itself) and the ranks' limits (`rank_info`) for validation."""
+    server detokenizes itself), the ranks' limits (`rank_info`) for validation and the data
+    plane's key (RayDeployment.key)."""
     info = rank_info
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
     return RouterClient(frontend, tokenizer, model_name, info["max_model_len"],
-                        InputProcessor(info["vocab_size"], info["max_model_len"]), host)
+                        InputProcessor(info["vocab_size"], info["max_model_len"]), host, key=key)

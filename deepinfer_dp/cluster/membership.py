@@ -28,6 +28,7 @@ from typing import Protocol
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.data_plane import DataPlane
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.distributed.groups import serve_store
 
@@ -62,13 +63,13 @@ class RankHandle:
 
 
 class Membership:
-    def __init__(self, ctx: zmq.Context, lock: threading.RLock, waves: Waves, host: str,
+    def __init__(self, plane: DataPlane, lock: threading.RLock, waves: Waves, host: str,
                  collective_timeout_s: float, on_down: Callable[[RankHandle, str], None],
                  max_restarts: int = 0) -> None:
         self.ranks: list[RankHandle] = []
         self.liveness: Liveness | None = None
         self.group_failures = 0  # GroupBroken reports (a failed lockstep vote on some rank)
-        self._ctx, self._lock, self._waves, self._host = ctx, lock, waves, host
+        self._plane, self._lock, self._waves, self._host = plane, lock, waves, host
         self._collective_timeout_s = collective_timeout_s
         self._on_down = on_down
         self._stores: list = []  # stores of re-formed groups, kept alive while ranks use them
@@ -88,19 +89,18 @@ class Membership:
             self.liveness = liveness
 
     def _connect(self, address: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.PUSH)
         # No high-water mark: a blocked send under the lock would stop the router's loop too,
         # and with it the ranks' replies (a deadlock on a large burst).
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(address)
-        return sock
+        return self._plane.connected(zmq.PUSH, address, SNDHWM=0)
 
     def up(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.up]
 
     def health(self) -> list[dict]:
-        return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason}
-                for r in self.ranks]
+        # "restarts": a rank replaced by the warm spare can be down for well under a second,
+        # less than a poll of "up" sees; the count records that it happened.
+        return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason,
+                 "restarts": self.restarts.get(r.dp_rank, 0)} for r in self.ranks]
 
     # ---- failures ------------------------------------------------------------------------
     def group_broken(self, msg: p.GroupBroken) -> bool:

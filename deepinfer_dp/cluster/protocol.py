@@ -4,7 +4,8 @@ the offline driver): msgspec structs in msgpack, tagged by type.
 No pickle on the wire: a peer can only send these shapes. Every process receives on one PULL
 socket it binds, and sends with a PUSH socket to each peer's PULL: a rank's from the router,
 the router's from the ranks and the clients, a client's from the router. Everything binds
-127.0.0.1 unless a multi-node launcher gives another host.
+127.0.0.1 unless a multi-node launcher gives another host; then every socket is CURVE-
+authenticated with the cluster's key (cluster/data_plane.py).
 
     client -> router   Hello, AddRequest, Abort, StatsQuery, HealthQuery, Goodbye
     router -> rank     AddRequest, Abort, Wake, StatsQuery, Reform, Shutdown

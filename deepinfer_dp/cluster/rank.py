@@ -27,6 +27,7 @@ import os
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
 from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp_groups, init_dp_groups
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
@@ -37,19 +38,18 @@ logger = logging.getLogger(__name__)
 
 class RankServer:
     def __init__(self, engine: LLMEngine, dp_rank: int, router_addr: str, host: str = "127.0.0.1",
-                 group_timeout_s: float = 30.0) -> None:
+                 group_timeout_s: float = 30.0, key: ClusterKey | None = None) -> None:
         self.engine = engine
         self.group_timeout_s = group_timeout_s
         self.loop = StepLoop(engine)
         self.dp_rank = dp_rank
         self.wave = 0
         self.waves_run = 0
-        self._ctx = zmq.Context()
-        self._inbox = self._ctx.socket(zmq.PULL)
-        self.address = f"tcp://{host}:{self._inbox.bind_to_random_port(f'tcp://{host}')}"
-        self._outbox = self._ctx.socket(zmq.PUSH)
-        self._outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow router
-        self._outbox.connect(router_addr)
+        self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
+        self._inbox = self._plane.bound(zmq.PULL, host)
+        self.address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        # no high-water mark: never block a step on a slow router
+        self._outbox = self._plane.connected(zmq.PUSH, router_addr, SNDHWM=0)
         self._stop = False
         self._reform: p.Reform | None = None
 
@@ -81,7 +81,7 @@ class RankServer:
             destroy_dp_groups()  # now, not at interpreter teardown
             self._inbox.close(linger=0)
             self._outbox.close(linger=1000)
-            self._ctx.term()
+            self._plane.close()
 
     def _run_wave(self, announce: bool) -> None:
         if announce:

@@ -25,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from deepinfer_dp.cluster.data_plane import AuthMode, ClusterKey, cluster_key_for
 from deepinfer_dp.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,12 @@ class RankActor:
     """One DP rank inside a Ray actor: LLMEngine + RankServer on a background thread, so the
     actor still answers ping() while the rank blocks on its socket."""
 
-    def __init__(self, config: dict, dp_rank: int, world_size: int) -> None:
+    def __init__(self, config: dict, dp_rank: int, world_size: int, key: ClusterKey | None = None) -> None:
+        self._config = config
         self.config = EngineConfig(**config)
         self.dp_rank = dp_rank
         self.world_size = world_size
+        self.key = key  # the data plane's key (an actor argument: not on any command line)
         self._thread: threading.Thread | None = None
 
     def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
@@ -60,6 +63,21 @@ class RankActor:
         (sent when it takes the rank back) makes it join the others'."""
         return self._serve(self._load(), router_addr, timeout_s, host)
 
+    def warm(self) -> int:
+        """A spare's work ahead of need: the engine's imports (torch, transformers, the model
+        code), which are most of a new rank's start-up; loading the model itself is short.
+        Returns the process id."""
+        import deepinfer_dp.cluster.rank  # noqa: F401
+        import deepinfer_dp.engine.llm_engine  # noqa: F401
+
+        return os.getpid()
+
+    def take_over(self, dp_rank: int, router_addr: str, timeout_s: float, host: str) -> dict:
+        """A warm spare becomes DP rank `dp_rank` (whose process died): rejoin() as that rank."""
+        self.dp_rank = dp_rank
+        self.config = EngineConfig(**{**self._config, "dp_rank": dp_rank})
+        return self.rejoin(router_addr, timeout_s, host)
+
     def _load(self):
         from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
         from deepinfer_dp.engine.llm_engine import LLMEngine
@@ -74,7 +92,7 @@ class RankActor:
 
         if host not in ("127.0.0.1", "localhost"):  # multi-node: bind this node's address
             host = ray.util.get_node_ip_address()
-        server = RankServer(engine, self.dp_rank, router_addr, host, group_timeout_s=timeout_s)
+        server = RankServer(engine, self.dp_rank, router_addr, host, group_timeout_s=timeout_s, key=self.key)
         self._thread = threading.Thread(target=server.serve_or_exit, name=f"dp-rank-{self.dp_rank}", daemon=True)
         self._thread.start()
         return {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
@@ -101,29 +119,49 @@ class RankSpec:
     gpus: int
     host: str
     timeout_s: float
+    key: ClusterKey | None = None
+    spare: bool = True  # keep a warm spare rank process (CPU ranks only, see create_spare)
 
     def create(self, dp_rank: int):
         return ray.remote(RankActor).options(
             num_cpus=self.cpus_per_rank, num_gpus=self.gpus, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, dp_rank),
-        ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size)
+        ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size, self.key)
+
+    def create_spare(self, node_id: str):
+        """A rank process for later, on `node_id` (call RankActor.warm on it), or None.
+        It reserves nothing: it idles until it takes a dead rank's place, and then runs on the
+        cores it binds (the dead rank's share; the dead rank's bundle stays reserved and
+        unused). GPU ranks get no spare: Ray hands a GPU to an actor only at its creation, in
+        the dead rank's bundle."""
+        if not self.spare or self.gpus:
+            return None
+        return ray.remote(RankActor).options(
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+        ).remote({**self.config, "dp_rank": 0}, 0, self.dp_size, self.key)
 
 
 class RouterActor:
     """The router process (cluster/router.py) as a Ray actor, with the rank actors as its
-    Liveness: it checks them, kills them, and starts a new one in a dead rank's bundle. It
-    also serves the store the first DP group forms on."""
+    Liveness: it checks them, kills them, and replaces a dead one: by the warm spare when there
+    is one (a rank process with its imports done, most of a restart's time), else by a new
+    actor in the dead rank's bundle. It also serves the store the first DP group forms on."""
 
-    def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int) -> None:
+    def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int,
+                 key: ClusterKey | None = None) -> None:
         from deepinfer_dp.cluster.policies import make_policy
         from deepinfer_dp.cluster.router import Router
         from deepinfer_dp.distributed.groups import serve_store
 
-        self.router = Router(make_policy(policy), host, collective_timeout_s, max_rank_restarts=max_rank_restarts)
+        self.router = Router(make_policy(policy), host, collective_timeout_s, max_rank_restarts=max_rank_restarts,
+                             key=key)
         self.store = serve_store(host, collective_timeout_s)
         self.actors: list = []
         self.infos: list[dict] = []
         self.spec: RankSpec | None = None
+        self.spare = None  # a warm rank process that replaces the next dead rank (RankSpec.create_spare)
+        self._spare_warm = None  # its RankActor.warm call: the process id once its imports are done
+        self._spare_lock = threading.Lock()  # two ranks may die, and restart, at once
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
@@ -133,6 +171,22 @@ class RouterActor:
         self.spec, self.infos, self.actors = spec, list(infos), list(actors)
         self.router.attach_ranks([i["address"] for i in infos], liveness=self)
         self.router.start()
+        with self._spare_lock:
+            self._new_spare()
+
+    def _new_spare(self) -> None:
+        if self.router.membership.max_restarts > 0:
+            self.spare = self.spec.create_spare(ray.get_runtime_context().get_node_id())
+            self._spare_warm = self.spare.warm.remote() if self.spare is not None else None
+
+    def spare_actor(self):
+        return self.spare
+
+    def spare_pid(self, timeout_s: float) -> int | None:
+        """The spare's process id once it is warm (None: no spare)."""
+        with self._spare_lock:
+            warm = self._spare_warm if self.spare is not None else None
+        return None if warm is None else ray.get(warm, timeout=timeout_s)
 
     def rank_actors(self) -> list:
         return list(self.actors)
@@ -154,18 +208,36 @@ class RouterActor:
         ray.kill(self.actors[dp_rank], no_restart=True)
 
     def restart(self, dp_rank: int) -> str:
-        """A new rank actor in the dead one's bundle, loaded and serving with no group; its
-        address (the router then takes it back with a Reform at full size)."""
-        actor = self.spec.create(dp_rank)
+        """The warm spare, or else a new rank actor in the dead one's bundle, loaded and serving
+        with no group; its address (the router then takes it back with a Reform at full size).
+        A spare that took over is replaced by a new one, warming up in the background."""
+        with self._spare_lock:
+            spare, self.spare = self.spare, None
+        args = (self.router.backend_address, self.spec.timeout_s, self.spec.host)
+        info = None
+        if spare is not None:
+            try:
+                info = self._serving(dp_rank, spare, spare.take_over.remote(dp_rank, *args))
+            except ray.exceptions.RayActorError:  # the spare itself died: a new process then
+                logger.exception("DP rank %d: the spare rank process is gone; starting a new one", dp_rank)
+        if info is None:
+            actor = self.spec.create(dp_rank)
+            info = self._serving(dp_rank, actor, actor.rejoin.remote(*args))
+        with self._spare_lock:
+            if self.spare is None:
+                self._new_spare()
+        return info["address"]
+
+    def _serving(self, dp_rank: int, actor, call) -> dict:
+        """`actor` is DP rank `dp_rank` from now on; its info once `call` (loading) returns."""
         self.actors[dp_rank] = actor  # from now on, alive() and kill() mean this one
         try:
-            info = ray.get(actor.rejoin.remote(self.router.backend_address, self.spec.timeout_s, self.spec.host),
-                           timeout=START_TIMEOUT_S)
+            info = ray.get(call, timeout=START_TIMEOUT_S)
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
         self.infos[dp_rank] = info
-        return info["address"]
+        return info
 
     def stop(self) -> None:
         self.router.close()
@@ -223,25 +295,29 @@ def _keep_signal_handlers():
 
 class RayDeployment:
     """The router and rank actors of one DP deployment. `frontend` is the router's address
-    for clients; `infos` are the ranks' (address, pid, vocab_size, max_model_len)."""
+    for clients; `infos` are the ranks' (address, pid, vocab_size, max_model_len); `key` is the
+    data plane's (None on loopback unless `data_plane_auth` is on): clients need it too."""
 
     def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
                  strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cpus_per_rank: float = 1.0, max_rank_restarts: int = 3) -> None:
+                 cpus_per_rank: float = 1.0, max_rank_restarts: int = 3, data_plane_auth: AuthMode = "auto",
+                 spare_rank: bool = True) -> None:
         dp_size = config.dp_size
+        self.key = cluster_key_for(host, data_plane_auth)
         self.owns_ray = ensure_ray(address, max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999)))
         gpus = 1 if config.torch_device().type == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(dp_size)], strategy=strategy.upper())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(num_cpus=0, scheduling_strategy=here).remote(
-            policy, host, collective_timeout_s, max_rank_restarts)
+            policy, host, collective_timeout_s, max_rank_restarts, self.key)
         self.ranks: list = []
         try:
             ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
             addrs = ray.get(self.router.addresses.remote(), timeout=START_TIMEOUT_S)
             cfg = {**dataclasses.asdict(config), "device": _rank_device(config)}
-            spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s)
+            spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s, self.key,
+                            spare_rank)
             self.ranks = [spec.create(i) for i in range(dp_size)]
             self.infos = ray.get([a.start.remote(host, addrs["store_port"], addrs["backend"], collective_timeout_s,
                                                  host) for a in self.ranks], timeout=START_TIMEOUT_S)
@@ -263,9 +339,15 @@ class RayDeployment:
         """The ranks' (address, pid, ...) as they are now (`infos` are the first processes)."""
         return ray.get(self.router.rank_infos.remote(), timeout=STOP_TIMEOUT_S)
 
+    def spare_pid(self, timeout_s: float = START_TIMEOUT_S) -> int | None:
+        """The spare rank's process once it is warm, if there is one (tests, fault drills)."""
+        return ray.get(self.router.spare_pid.remote(timeout_s), timeout=timeout_s + STOP_TIMEOUT_S)
+
     def shutdown(self) -> None:
+        spare = None
         try:  # the ranks as they are now: a restarted rank is a new actor
             self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S) or self.ranks
+            spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError):
             pass
         try:
@@ -274,9 +356,10 @@ class RayDeployment:
             logger.warning("the router actor did not stop cleanly")
         leaving = [r.stop.remote(STOP_TIMEOUT_S) for r in self.ranks]  # engine stopped, group destroyed
         ray.wait(leaving, num_returns=len(leaving), timeout=STOP_TIMEOUT_S)
-        for actor in [*self.ranks, self.router]:
+        actors = [*self.ranks, *([spare] if spare is not None else []), self.router]
+        for actor in actors:
             actor.__ray_terminate__.remote()  # a graceful exit, after the calls queued before it
-        for actor in [*self.ranks, self.router]:
+        for actor in actors:
             _wait_for_exit(actor)
         remove_placement_group(self.pg)
         if self.owns_ray:

@@ -24,6 +24,7 @@ from collections import defaultdict
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
 from deepinfer_dp.cluster.policies import RoutingPolicy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
@@ -44,17 +45,17 @@ class _Client:
 class Router:
     def __init__(self, policy: RoutingPolicy, host: str = "127.0.0.1", collective_timeout_s: float = 30.0,
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 max_rank_restarts: int = 0) -> None:
+                 max_rank_restarts: int = 0, key: ClusterKey | None = None) -> None:
         self.policy = policy
         self.host = host
-        self._ctx = zmq.Context()
+        self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
         self._frontend = self._bind()  # clients -> router
         self._backend = self._bind()  # ranks -> router
         self.frontend_address = self._frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_address = self._backend.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.RLock()
         self.waves = Waves()
-        self.membership = Membership(self._ctx, self._lock, self.waves, host, collective_timeout_s,
+        self.membership = Membership(self._plane, self._lock, self.waves, host, collective_timeout_s,
                                      on_down=self._fail_requests_of, max_restarts=max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
@@ -66,10 +67,7 @@ class Router:
         self._threads: list[threading.Thread] = []
 
     def _bind(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind_to_random_port(f"tcp://{self.host}")
-        return sock
+        return self._plane.bound(zmq.PULL, self.host, RCVHWM=0)
 
     def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None) -> None:
         self.membership.attach(addresses, liveness)
@@ -136,10 +134,8 @@ class Router:
     def _connect_client(self, msg: p.Hello) -> None:
         if msg.client_id in self._clients:
             return
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow client
-        sock.connect(msg.address)
-        self._clients[msg.client_id] = _Client(sock)
+        # no high-water mark: never block the loop on a slow client
+        self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, SNDHWM=0))
 
     def _dispatch(self, msg: p.AddRequest, client: _Client) -> None:
         """Sharding: the policy picks a rank among those up; the others are woken."""
@@ -280,4 +276,4 @@ class Router:
             self._clients.clear()
         self._frontend.close(linger=0)
         self._backend.close(linger=0)
-        self._ctx.term()
+        self._plane.close()

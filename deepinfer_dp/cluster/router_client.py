@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
 from deepinfer_dp.engine.client import (
     NoCapacity,
     RankFailed,
@@ -42,19 +43,15 @@ _ERRORS = {"rejected": RequestRejected, "no_capacity": NoCapacity, "rank_failed"
 class RouterClient:
     def __init__(self, frontend_address: str, tokenizer: Any, model_name: str, max_model_len: int,
                  input_processor: InputProcessor, host: str = "127.0.0.1",
-                 router_timeout_s: float = ROUTER_TIMEOUT_S) -> None:
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.input_processor = input_processor
         self.client_id = uuid.uuid4().hex[:16]
-        self._ctx = zmq.Context()
-        self._inbox = self._ctx.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.RCVHWM, 0)
-        self._inbox.bind_to_random_port(f"tcp://{host}")
-        self._outbox = self._ctx.socket(zmq.PUSH)
-        self._outbox.setsockopt(zmq.SNDHWM, 0)
-        self._outbox.connect(frontend_address)
+        self._plane = DataPlane(key)  # `key`: the router only takes peers holding it
+        self._inbox = self._plane.bound(zmq.PULL, host, RCVHWM=0)
+        self._outbox = self._plane.connected(zmq.PUSH, frontend_address, SNDHWM=0)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the sinks and the replies
         self._sinks: dict[str, Sink] = {}
@@ -131,7 +128,7 @@ class RouterClient:
         self._thread.join(timeout=5)
         self._inbox.close(linger=0)
         self._outbox.close(linger=500)
-        self._ctx.term()
+        self._plane.close()
 
 
     # ---- the receiver thread -------------------------------------------------------------------

@@ -85,9 +85,14 @@ class RankStatsCollector(Collector):
         yield _compile_histogram(stats)
         up = GaugeMetricFamily(PREFIX + "rank_up", "1 when the rank answers health checks, else 0.",
                                labels=["dp_rank"])
+        restarts = CounterMetricFamily(PREFIX + "rank_restarts", "Times the rank's process died and a new one "
+                                       "was started for it (an outage can be shorter than a scrape).",
+                                       labels=["dp_rank"])
         for rank in self.client.health():
             up.add_metric([str(rank["dp_rank"])], 1.0 if rank.get("up") else 0.0)
+            restarts.add_metric([str(rank["dp_rank"])], float(rank.get("restarts", 0)))
         yield up
+        yield restarts
         yield from moe_families(stats)
 
 

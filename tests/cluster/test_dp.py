@@ -1,8 +1,9 @@
 """Data parallel under Ray: rank actors behind the router process. Lockstep step counts and
 placeholder steps, outputs equal to DP=1 token for token and in prompt order, the wave
 protocol's race, streaming and early close, and a dead rank turning into RankFailed for its
-requests while the survivor keeps serving. (The router's logic on its own, without Ray, is
-tests/cluster/test_router.py.)"""
+requests while the survivor keeps serving. The data plane authenticates its peers here (forced
+on for loopback), so all of this also runs over CURVE and a peer without the key is refused.
+(The router's logic on its own, without Ray, is tests/cluster/test_router.py.)"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def ray_llm(tiny_model_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_model_dir), decode_sequence=False, dp_size=2,
-              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **ENGINE)
+              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0, "data_plane_auth": "on"}, **ENGINE)
     assert llm.llm_engine is None and llm.dp.dp_size == 2  # the engines are in the rank actors
     yield llm
     llm.shutdown()
@@ -129,6 +130,33 @@ def test_engine_client_stream_and_early_close_aborts(ray_llm):
     while sum(h["inflight"] for h in router.health()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [(h["up"], h["inflight"]) for h in router.health()] == [(True, 0), (True, 0)]
+
+
+def test_ray_ranks_and_router_refuse_a_peer_without_the_cluster_key(ray_llm, dp1_token_ids):
+    """A plain ZeroMQ peer sends a request and a Shutdown to each rank actor and to the
+    router: the handshake fails, nothing arrives, and the cluster serves on at full size."""
+    import zmq
+
+    from deepinfer_dp.cluster import protocol as p
+
+    deployment = ray_llm.dp.deployment
+    assert deployment.key is not None
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for address in [deployment.frontend, *(i["address"] for i in deployment.rank_infos())]:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(address)
+            for msg in (p.AddRequest("intruder", [5, 6], {}, "intruder"), p.Shutdown()):
+                sock.send(p.encoder.encode(msg))
+            socks.append(sock)
+        time.sleep(2)
+        assert token_ids(ray_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
+        assert [(h["up"], h["inflight"]) for h in ray_llm.dp.router.health()] == [(True, 0), (True, 0)]
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
 
 
 def test_ray_and_the_deployment_listen_on_loopback_only(ray_llm):

@@ -24,17 +24,19 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
 
 
 @contextlib.contextmanager
-def cluster(num_ranks: int = 2, policy=None, **router_options):
-    router = Router(policy or RoundRobin(), health_interval_s=0.1, **router_options)
-    ranks = [FakeRank(i, router.backend_address) for i in range(num_ranks)]
+def cluster(num_ranks: int = 2, policy=None, key=None, **router_options):
+    """A router with fake ranks; `key`: the data plane authenticates peers (every rank and
+    client made here holds it)."""
+    router = Router(policy or RoundRobin(), health_interval_s=0.1, key=key, **router_options)
+    ranks = [FakeRank(i, router.backend_address, key=key) for i in range(num_ranks)]
     liveness = FakeLiveness()
-    liveness.backend = router.backend_address
+    liveness.backend, liveness.key = router.backend_address, key
     router.attach_ranks([r.address for r in ranks], liveness)
     router.start()
     clients: list[RouterClient] = []
 
     def new_client() -> RouterClient:
-        clients.append(RouterClient(router.frontend_address, None, "fake", 64, InputProcessor(200, 64)))
+        clients.append(RouterClient(router.frontend_address, None, "fake", 64, InputProcessor(200, 64), key=key))
         return clients[-1]
 
     try:

@@ -42,8 +42,8 @@ def run_api_servers(deployment, served_model_name: str) -> int:
     ctx = mp.get_context("spawn")
     all_ready = ctx.Barrier(server.api_server_count)  # nobody accepts before every server can
     procs = [ctx.Process(target=_api_server, name=f"api-server-{i}", args=(
-        sock, all_ready, cluster.frontend, cluster.infos[0], deployment.model, served_model_name, server.api_key,
-        server.host, deployment.metrics.port if i == 0 else None, server.limits()))
+        sock, all_ready, cluster.frontend, cluster.infos[0], cluster.key, deployment.model, served_model_name,
+        server.api_key, server.host, deployment.metrics.port if i == 0 else None, server.limits()))
         for i in range(server.api_server_count)]
     code = 0
     try:
@@ -87,15 +87,16 @@ def _stop_all(procs: list) -> None:
             proc.join()
 
 
-def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, model: str | None, name: str,
-                api_key: str | None, host: str, metrics_port: int | None, limits) -> None:
+def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, model: str | None,
+                name: str, api_key: str | None, host: str, metrics_port: int | None, limits) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket.
+    `key` (the data plane's, or None) comes through multiprocessing's pipe, not argv.
     `limits` (a ServerLimits) applies per process: max_waiting_requests counts this server's."""
     signal.signal(signal.SIGTERM, _exit_cleanly)  # stopped while starting: still status 0
     from deepinfer_dp.cluster.dp_driver import connect
     from deepinfer_dp.entrypoints.openai.launcher import run_server
 
-    client = connect(frontend, rank_info, model, name, host)
+    client = connect(frontend, rank_info, model, name, host, key)
     try:
         all_ready.wait(START_TIMEOUT_S)
         code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock],

@@ -158,7 +158,8 @@ def make_dp_client(model: str | None, dp_size: int, served_model_name: str | Non
     deployment = RayDeployment(config, **options)
     name = served_model_name or default_model_name(model)
     try:
-        router = connect(deployment.frontend, deployment.infos[0], model, name, options.get("host", DEFAULT_HOST))
+        router = connect(deployment.frontend, deployment.infos[0], model, name, options.get("host", DEFAULT_HOST),
+                         deployment.key)
     except BaseException:
         deployment.shutdown()
         raise
