@@ -3,8 +3,10 @@ V2-Lite-style models at DP=2 with EP (rank 0 holds routed experts 0-3, rank 1 ex
 give the DP=1 outputs token for token with every prompt on rank 0 (torchrun, the idle rank
 runs placeholder steps whose MoE collectives its peer waits on, and its experts compute rank
 0's tokens), and with round-robin routing under Ray. With MTP drafting (K = 2) on a V3 whose
-checkpoint stores a next-n layer, all prompts on rank 0: the outputs are still DP=1's, and
-the idle rank's placeholder steps carry the 1 + K tokens of draft padding."""
+checkpoint stores a next-n layer, all prompts on rank 0: the outputs are still DP=1's, the
+MTP layer's routed experts are split across the ranks like the decoder's, and the idle rank
+runs the MTP layer on padding (K drafting passes and the placeholder's 1 + K tokens) every
+step, so both ranks make the same MoE collective calls."""
 
 from __future__ import annotations
 
@@ -117,3 +119,10 @@ def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factor
     assert rank0["generate_step"] == rank1["generate_step"]
     assert rank1["placeholder_steps"] == rank1["generate_step"] and rank0["spec_decode_num_drafts"] > 0
     assert sum(map(sum, rank1["moe_expert_tokens"])) > 0
+    # The MTP layer's routed experts are split like the decoder's, and dispatched: the idle
+    # rank's experts computed rank 0's drafting tokens, rank 0 never ran rank 1's experts.
+    assert (rank0["mtp_local_experts"], rank1["mtp_local_experts"]) == ([0, 4], [4, 8])
+    assert sum(rank1["mtp_expert_tokens"][4:]) > 0 and rank0["mtp_expert_tokens"][4:] == [0] * 4
+    # Every idle step: K drafting passes and the placeholder's next-n pass, on padding rows.
+    assert rank1["mtp_padding_passes"] == rank1["generate_step"] * (spec["num_speculative_tokens"] + 1)
+    assert rank0["moe_collectives"] == rank1["moe_collectives"] > 0
