@@ -196,7 +196,7 @@ def load_mtp_layer(target) -> DeepseekMTP:
     prefix = f"model.layers.{config.num_hidden_layers}."
     param = next(target.parameters())
     with torch.device("meta"):  # under EP, with the target's share of the layer's routed experts
-        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head, target.expert_shard)
+        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head, getattr(target, "expert_shard", (0, 1)))
     mtp.to_empty(device=param.device)
     mtp = mtp.to(param.dtype)
     mtp.load_weights(iterate_weights(Path(target.source_dir),
