@@ -15,7 +15,8 @@ expert-parallel dispatch (layers/moe.py), routed the way transformers routes eac
 Checkpoints load with their real names. DeepSeek's rotary part is laid out in interleaved
 pairs; the rope rows of q_proj/q_b_proj and kv_a_proj_with_mqa are permuted at load time into
 the rotate-half layout our RoPE kernel applies (q.k is unchanged by permuting both). The
-next-n (MTP) layers a checkpoint stores after the last decoder layer are not read here.
+next-n (MTP) layers a checkpoint stores after the last decoder layer are not read here
+(models/deepseek_mtp.py reads them).
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ def interleaved_rope(config) -> bool:
 
 class DeepseekForCausalLM(MoeForCausalLM):
     model_types = DEEPSEEK_MODEL_TYPES
+    # The MTP layer drafting for this model (spec_decode/mtp.py attaches it; a tuple, so not a
+    # submodule): its MoE dispatches over the same EP group as the decoder's.
+    nextn: tuple = ()
+
+    def bind_ep_group(self, ep, backend: str) -> None:
+        super().bind_ep_group(ep, backend)
+        for mtp in self.nextn:
+            mtp.bind_dispatcher(self.dispatcher, self.expert_shard, self.source_dir)
 
     def make_model(self, config) -> nn.Module:
         # One rotary table of qk_rope_head_dim (config.head_dim in transformers' DeepSeek configs).

@@ -10,9 +10,11 @@ target's hidden state h_t at position t and the token x_{t+1}:
     logits = head(shared_head.norm(out))                          (predicts x_{t+2})
 
 As vLLM does, the embedding at position 0 is zeroed. K > 1 drafts feed `out` back as the next
-step's h. The block holds all of its routed experts on every rank and runs them locally (no
-expert-parallel dispatch): one layer's experts are small against the model's, and a local
-layer has no collectives, so ranks drafting different amounts never wait on each other.
+step's h. Under expert parallelism the block holds the target's share of its routed experts
+(expert_shard) and dispatches through the target's dispatcher (bind_dispatcher), so its MoE
+is a collective like every target MoE layer: every rank must run the same passes in the same
+order, an idle rank on padding rows (attn_metadata.is_placeholder: not counted in the expert
+load) -- spec_decode/mtp.py keeps that count.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer_dp.layers.attention import AttentionMetadata, ForwardContext
+from deepinfer_dp.layers.moe import expert_range
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.deepseek import DeepseekDecoderLayer, interleaved_rope, rope_rows_to_rotate_half
@@ -35,7 +38,8 @@ _SHARED_WITH_MAIN = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 class DeepseekMTP(nn.Module):
-    def __init__(self, config, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+    def __init__(self, config, embed_tokens: nn.Embedding, lm_head: nn.Module,
+                 expert_shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
         if config.model_type != "deepseek_v3" or not getattr(config, "num_nextn_predict_layers", 0):
             raise ValueError("speculative_config method 'mtp' needs a DeepSeek-V3 model whose config has "
@@ -48,7 +52,7 @@ class DeepseekMTP(nn.Module):
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_parameters(config))
-        self.block = DeepseekDecoderLayer(config, self.context, rotary, self.layer_index, (0, 1))
+        self.block = DeepseekDecoderLayer(config, self.context, rotary, self.layer_index, expert_shard)
         self.shared_head_norm = RMSNorm(hidden, config.rms_norm_eps)
         # Not submodules: the main model's, shared (and not loaded twice).
         self._shared = (embed_tokens, lm_head)
@@ -56,9 +60,43 @@ class DeepseekMTP(nn.Module):
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
         self.block.self_attn.cache = cache
 
+    @property
+    def experts(self):
+        """The block's routed experts (FusedMoE: this rank's range under EP); None if dense."""
+        return getattr(self.block.mlp, "experts", None)
+
+    @property
+    def dispatcher(self):
+        return None if self.experts is None else self.experts.dispatcher
+
+    def bind_dispatcher(self, dispatcher, shard: tuple[int, int], source_dir: str | None) -> None:
+        """Dispatches over the target's `dispatcher` (None: local experts); a group of another
+        (rank, size) than the experts held -- re-formed after a rank died -- reloads them
+        from the checkpoint in `source_dir` first."""
+        from pathlib import Path
+
+        from deepinfer_dp.models.loader import iterate_weights
+
+        experts = self.experts
+        if experts is None:
+            return
+        if (experts.first_expert, experts.end_expert) != expert_range(*shard, experts.num_experts):
+            if source_dir is None:
+                raise RuntimeError("the MTP layer's experts need reloading for a new group, but the checkpoint "
+                                   "directory is unknown")
+            experts.reshard(shard)
+            prefix = f"model.layers.{self.layer_index}.mlp.experts."
+            wanted = iterate_weights(Path(source_dir), lambda n: n.startswith(prefix) and self.wants_weight(n))
+            self.load_weights(wanted, experts_only=True)
+        experts.dispatcher = dispatcher
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 previous_hidden: torch.Tensor) -> torch.Tensor:
         """The block's output [T, H] (before shared_head.norm): the next step's h."""
+        if self.experts is not None:  # padding rows do not count in the expert load
+            self.block.mlp.counted = not attn_metadata.is_placeholder
+        if self.dispatcher is not None:
+            self.dispatcher.begin_step(input_ids.shape[0])
         embeds = self._shared[0](input_ids)
         embeds = torch.where(positions[:, None] == 0, torch.zeros_like(embeds), embeds)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden)], dim=-1))
@@ -72,15 +110,25 @@ class DeepseekMTP(nn.Module):
         return self._shared[1](self.shared_head_norm(hidden)).float()
 
     # ---- loading -----------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reads model.layers.<num_hidden_layers>.* from the checkpoint's (name, tensor) pairs;
-        raises ValueError naming what is missing."""
+    def wants_weight(self, name: str) -> bool:
+        """False for another EP rank's routed experts of the layer: the loader never reads them."""
+        expert = _EXPERT.match(name[len(f"model.layers.{self.layer_index}."):])
+        moe = self.experts
+        return expert is None or moe is None or moe.first_expert <= int(expert.group(1)) < moe.end_expert
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], experts_only: bool = False) -> None:
+        """Reads model.layers.<num_hidden_layers>.* from the checkpoint's (name, tensor) pairs
+        (only this rank's routed experts; `experts_only`: nothing else); raises ValueError
+        naming what is missing."""
         prefix = f"model.layers.{self.layer_index}."
         loaded: set[str] = set()  # our parameter names, "#piece" for parts of fused ones
         for name, tensor in weights:
             if name.startswith(prefix) and name[len(prefix):] not in _SHARED_WITH_MAIN:
                 self._load(name, name[len(prefix):], tensor, loaded)
-        missing = sorted(self._expected_pieces() - loaded)
+        expected = self._expected_pieces()
+        if experts_only:
+            expected = {p for p in expected if ".experts." in p}
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"speculative_config method 'mtp': the checkpoint's next-n layer ({prefix}*) is "
                              f"missing {', '.join(missing[:6])}" + (" and more" if len(missing) > 6 else ""))
@@ -92,7 +140,8 @@ class DeepseekMTP(nn.Module):
                 pieces |= {f"{name}#gate_proj", f"{name}#up_proj"}
             elif name.endswith(("experts.w13", "experts.w2")):
                 projs = ("gate_proj", "up_proj") if name.endswith("w13") else ("down_proj",)
-                pieces |= {f"{name}#{e}.{p}" for e in range(self.config.n_routed_experts) for p in projs}
+                moe = self.experts
+                pieces |= {f"{name}#{e}.{p}" for e in range(moe.first_expert, moe.end_expert) for p in projs}
             else:
                 pieces.add(name)
         return pieces
@@ -105,8 +154,10 @@ class DeepseekMTP(nn.Module):
             moe, (e, proj) = self.block.mlp.experts, (int(expert.group(1)), expert.group(2))
             if not 0 <= e < moe.num_experts:
                 raise ValueError(f"checkpoint weight {full!r}: expert {e} outside the layer's {moe.num_experts}")
-            inter = moe.intermediate_size
-            dst = moe.w2[e] if proj == "down_proj" else moe.w13[e].narrow(0, _FUSED[proj] * inter, inter)
+            if not moe.first_expert <= e < moe.end_expert:
+                return  # another EP rank's expert
+            inter, local = moe.intermediate_size, e - moe.first_expert
+            dst = moe.w2[local] if proj == "down_proj" else moe.w13[local].narrow(0, _FUSED[proj] * inter, inter)
             piece = f"block.mlp.experts.{'w2' if proj == 'down_proj' else 'w13'}#{e}.{proj}"
         else:
             target = name.replace(fused, "gate_up_proj") if fused else name

@@ -162,6 +162,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 "moe_local_experts": [experts.first_expert, experts.end_expert] if experts else [0, 0],
                 "moe_dispatcher": dispatcher.name if dispatcher is not None else "local",
                 "moe_collective_s": collective_s,
+                # collective calls of the current group's dispatcher (equal on every rank)
+                "moe_collectives": dispatcher.num_collectives if dispatcher is not None else 0,
                 "moe_expert_bytes": sum(b.experts.w13.nbytes + b.experts.w2.nbytes for b in self.moe_blocks),
                 # CPU: a share of the compute thread's busy time (the collectives run on it)
                 "moe_collective_share": collective_s / device_busy_s if device_busy_s > 0 else 0.0}

@@ -8,8 +8,9 @@ sampling. The MTP layer's latent cache is one more layer laid out on the target'
 so the C++ block bookkeeping (rollback, preemption, prefix caching) serves it too.
 
 Unlike the draft model, it cannot catch up on passes it did not see (the target's hidden
-states are gone), so it sees every target pass but the placeholder's, speculative or not
-(ModelRunner.observe_every_pass); it has no catch-up pass and nothing to track per step.
+states are gone), so it sees every target pass, speculative or not (ModelRunner.observe_every_pass;
+the placeholder's only to run its padding under EP, below); it has no catch-up pass and
+nothing to track per step.
 
 Its cache entry at position t is MTP(h_t, x_{t+1}). Every target pass (`observe_target`)
 writes the entries of its rows whose next token it fed (within each sequence); the first
@@ -19,6 +20,14 @@ pass wrote from a draft that was then rejected sit at L - 2 and are rewritten th
 Two kinds stay stale: the last position of a prefill chunk and of a prefix-cache hit, written
 with another next token. They only cost acceptance, never correctness: every draft is
 verified by the target.
+
+Under expert parallelism the MTP layer's MoE is a collective over the DP ranks (each holds
+its share of the layer's routed experts), so every rank runs the same MTP passes per step,
+whether it drafts or not: K drafting passes before the schedule (padding rows for the rows it
+lacks: a rank with no candidates, in the auto-off, or drafting fewer than K tokens) and one
+pass over the target's forward, the placeholder step's 1 + K padding tokens included. Padding
+rows sit in the reserved block 0, are not counted in the expert load, and are counted in
+`padding_passes`.
 """
 
 from __future__ import annotations
@@ -61,11 +70,18 @@ class MTPProposer(DraftModelProposer):
         # (slot_mapping, hidden_states) of the latest target passes, newest first
         self._recent: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=RECENT_STEPS)
         self.forward_time_s = 0.0
+        self.num_passes = 0  # drafting passes each step must make (K under EP: collectives); 0 alone
+        self.padding_passes = 0  # MTP passes on padding rows only (under EP)
 
     # ---- the target's passes ---------------------------------------------------------------
     @torch.inference_mode()
     def observe_target(self, step: TargetStep) -> None:
         md = step.attn_metadata
+        if md.is_placeholder:  # the next-n padding: only there to match the peers' collectives
+            if self.model.dispatcher is not None:
+                self.model(step.input_ids, step.positions, md, step.hidden_states)
+                self.padding_passes += 1
+            return
         ids = step.input_ids
         last = md.query_start_loc[1:].long() - 1  # each sequence's last row: next token not sampled yet
         nxt = torch.roll(ids, -1)
@@ -87,6 +103,16 @@ class MTPProposer(DraftModelProposer):
                 found |= hit
         return out
 
+    def stats(self) -> dict[str, Any]:
+        """For the rank's stats: MTP passes on padding only, the layer's routed experts this
+        rank holds ([first, end); a share under EP) and their load (real tokens' slots, by
+        expert, whichever rank sent them)."""
+        moe = self.model.experts
+        if moe is None:
+            return {"mtp_padding_passes": self.padding_passes, "mtp_local_experts": [0, 0], "mtp_expert_tokens": []}
+        return {"mtp_padding_passes": self.padding_passes, "mtp_local_experts": [moe.first_expert, moe.end_expert],
+                "mtp_expert_tokens": moe.expert_tokens.tolist()}
+
     def after_target(self, sched_out: Any, observed: bool) -> None:
         """Nothing to track: the MTP layer sees every pass (ModelRunner.observe_every_pass)."""
 
@@ -94,6 +120,33 @@ class MTPProposer(DraftModelProposer):
         return []  # no catch-up passes: the target's hidden states cannot be recomputed here
 
     # ---- between steps: draft ------------------------------------------------------------
+    def propose(self, scheduler: Any, k: int) -> int:
+        self.num_passes = k if self.model.dispatcher is not None else 0
+        drafted = super().propose(scheduler, k)
+        if not drafted:
+            self.draft_padding(k)
+        return drafted
+
+    def draft_padding(self, k: int) -> None:
+        """A step this rank drafts nothing in: under EP, its k drafting passes on padding rows,
+        which its peers' drafting collectives wait on; alone, nothing."""
+        if self.model.dispatcher is not None:
+            self.run_on_device(self._padding_passes, k)
+
+    @torch.inference_mode()
+    def _padding_passes(self, k: int) -> None:
+        md = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.zeros(1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device), query_lens_host=[1], seq_lens_host=[1],
+            max_query_len=1, max_seq_len=1, is_placeholder=True)
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+        hidden = torch.zeros(1, self.model.config.hidden_size, dtype=self.cache.dtype, device=self.device)
+        for _ in range(k):
+            self.model(zeros, zeros, md, hidden)
+            self.padding_passes += 1
+
     @torch.inference_mode()
     def _draft(self, lens: list[int], lasts: list[int], tables: list[list[int]], k: int, states: list[Any],
                missing: list | None = None) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
@@ -115,6 +168,8 @@ class MTPProposer(DraftModelProposer):
             out.append(tokens)
             probs.append(q)
             pos = pos + 1
+        if self.num_passes > k:  # under EP every rank makes num_passes: the rest on padding
+            self._padding_passes(self.num_passes - k)
         return torch.stack(out, dim=1).cpu().numpy(), sampler.per_row(probs, n)
 
     def _mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: np.ndarray, table: np.ndarray,
@@ -140,12 +195,15 @@ def load_mtp_layer(target) -> DeepseekMTP:
     config = target.config
     prefix = f"model.layers.{config.num_hidden_layers}."
     param = next(target.parameters())
-    with torch.device("meta"):
-        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head)
+    with torch.device("meta"):  # under EP, with the target's share of the layer's routed experts
+        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head, getattr(target, "expert_shard", (0, 1)))
     mtp.to_empty(device=param.device)
     mtp = mtp.to(param.dtype)
-    mtp.load_weights(iterate_weights(Path(target.source_dir), lambda name: name.startswith(prefix)))
-    return mtp.eval().requires_grad_(False)
+    mtp.load_weights(iterate_weights(Path(target.source_dir),
+                                     lambda name: name.startswith(prefix) and mtp.wants_weight(name)))
+    mtp = mtp.eval().requires_grad_(False)
+    target.nextn = (mtp,)  # the target's bind_ep_group hands it the EP dispatcher
+    return mtp
 
 
 def build_mtp_proposer(engine: Any) -> MTPProposer:

@@ -42,6 +42,9 @@ class Speculator:
         (the step must then be post-processed in place, not deferred)."""
         limit = self.config.disable_by_batch_size
         if limit is not None and scheduler.num_running > limit:
+            padding = getattr(self.proposer, "draft_padding", None)
+            if padding is not None:  # MTP under EP: the peers may draft, their collectives need ours
+                padding(self.k)
             return False
         self.proposer.propose(scheduler, self.k)
         self.spec_steps += 1
@@ -149,4 +152,6 @@ def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dic
     """The scheduler's counters plus, under speculation, the derived rates."""
     if speculator is None:
         return dict(scheduler_stats)
-    return {**scheduler_stats, **Speculator.stats(scheduler_stats), "spec_decode_steps": speculator.spec_steps}
+    own = getattr(speculator.proposer, "stats", None)  # a proposer's own counters (MTP's)
+    return {**scheduler_stats, **Speculator.stats(scheduler_stats), "spec_decode_steps": speculator.spec_steps,
+            **(own() if own is not None else {})}

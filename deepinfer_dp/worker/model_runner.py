@@ -98,7 +98,8 @@ class ModelRunner:
         # A proposer with its own network (draft model, MTP head) sees every target forward.
         self.target_observer: Callable[[TargetStep], None] | None = None
         # An MTP head drafts from the target's hidden states, which it cannot recompute: it
-        # sees every pass but the placeholder's, not only the speculative ones.
+        # sees every pass, not only the speculative ones -- the placeholder's too, whose
+        # padding it runs under expert parallelism (its MoE collectives match the peers').
         self.observe_every_pass = False
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
@@ -167,7 +168,7 @@ class ModelRunner:
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self._thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
-            observe = inp.observe_target or (self.observe_every_pass and not inp.attn_metadata.is_placeholder)
+            observe = inp.observe_target or self.observe_every_pass
             if self.target_observer is not None and observe:
                 self.target_observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden,
                                                 inp.sample_indices))

@@ -3,8 +3,10 @@ V2-Lite-style models at DP=2 with EP (rank 0 holds routed experts 0-3, rank 1 ex
 give the DP=1 outputs token for token with every prompt on rank 0 (torchrun, the idle rank
 runs placeholder steps whose MoE collectives its peer waits on, and its experts compute rank
 0's tokens), and with round-robin routing under Ray. With MTP drafting (K = 2) on a V3 whose
-checkpoint stores a next-n layer, all prompts on rank 0: the outputs are still DP=1's, and
-the idle rank's placeholder steps carry the 1 + K tokens of draft padding."""
+checkpoint stores a next-n layer, all prompts on rank 0: the outputs are still DP=1's, the
+MTP layer's routed experts are split across the ranks like the decoder's, and the idle rank
+runs the MTP layer on padding (K drafting passes and the placeholder's 1 + K tokens) every
+step, so both ranks make the same MoE collective calls."""
 
 from __future__ import annotations
 
@@ -47,12 +49,12 @@ def ds_case(request, tmp_path_factory):
     return path, ids
 
 
-def _torchrun(model_dir: Path, out: Path, spec: dict | None = None,
-              timeout_s: float = 300) -> subprocess.CompletedProcess:
+def _torchrun(model_dir: Path, out: Path, spec: dict | None = None, timeout_s: float = 300,
+              backend: str = "all_to_all") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", "8,0",
            "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64", "--max-num-seqs", "2",
-           "--max-num-batched-tokens", "12", "--enable-expert-parallel", "--all2all-backend", "all_to_all",
+           "--max-num-batched-tokens", "12", "--enable-expert-parallel", "--all2all-backend", backend,
            "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -99,7 +101,11 @@ def test_ray_ep_round_robin_equals_dp1(ds_case, ray_cluster):
     assert all(sum(map(sum, s["moe_expert_tokens"])) > 0 for s in stats)
 
 
-def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factory, tmp_path):
+# allgather_reducescatter also exchanges each MTP pass's token count (begin_step): slow only,
+# the default run keeps all_to_all
+@pytest.mark.parametrize("backend", ["all_to_all",
+                                     pytest.param("allgather_reducescatter", marks=pytest.mark.slow)])
+def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factory, tmp_path, backend):
     from deepinfer_dp.entrypoints.llm import LLM
 
     path = build_tiny_deepseek("v3", tmp_path_factory.mktemp("ds_ep_mtp") / "v3-nextn", with_nextn=True)
@@ -109,7 +115,7 @@ def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factor
     finally:
         llm.shutdown()
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
-    done = _torchrun(path, tmp_path / "out.json", spec)
+    done = _torchrun(path, tmp_path / "out.json", spec, backend=backend)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["token_ids"] == dp1_ids
@@ -117,3 +123,10 @@ def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factor
     assert rank0["generate_step"] == rank1["generate_step"]
     assert rank1["placeholder_steps"] == rank1["generate_step"] and rank0["spec_decode_num_drafts"] > 0
     assert sum(map(sum, rank1["moe_expert_tokens"])) > 0
+    # The MTP layer's routed experts are split like the decoder's, and dispatched: the idle
+    # rank's experts computed rank 0's drafting tokens, rank 0 never ran rank 1's experts.
+    assert (rank0["mtp_local_experts"], rank1["mtp_local_experts"]) == ([0, 4], [4, 8])
+    assert sum(rank1["mtp_expert_tokens"][4:]) > 0 and rank0["mtp_expert_tokens"][4:] == [0] * 4
+    # Every idle step: K drafting passes and the placeholder's next-n pass, on padding rows.
+    assert rank1["mtp_padding_passes"] == rank1["generate_step"] * (spec["num_speculative_tokens"] + 1)
+    assert rank0["moe_collectives"] == rank1["moe_collectives"] > 0

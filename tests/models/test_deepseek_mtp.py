@@ -3,7 +3,8 @@ next-n layer the way DeepSeek does (model.layers.<num_hidden_layers>.*): the MTP
 through our paged latent cache (a prefill pass, then decode steps) matches a straightforward
 PyTorch reference within 1e-4; greedy output with MTP (K = 1 and 3) is token-identical to
 without on 16 prompts, with acceptance reported per draft position; the drafts themselves are
-the reference's chain from the target's hidden state; bad setups are refused by name."""
+the reference's chain from the target's hidden state; under expert parallelism the layer holds
+and loads only its rank's routed experts; bad setups are refused by name."""
 
 from __future__ import annotations
 
@@ -86,6 +87,22 @@ def test_mtp_forward_matches_reference(mtp_dir):
             ours.append(mtp.compute_logits(mtp(tokens[t:t + 1], torch.tensor([t]), md, hidden[t:t + 1])))
     diff = (torch.cat(ours) - ref_logits).abs().max().item()
     assert diff < 1e-4, f"max |logit difference| {diff:.2e}"
+
+
+def test_mtp_layer_holds_its_expert_parallel_share(mtp_dir):
+    """Under EP (rank 1 of 2) the MTP layer allocates and loads only its experts 4-7, the full
+    layer's tensors; rebinding the target to a group of one (re-formed) reloads all 8."""
+    full = load_mtp_layer(load_model(str(mtp_dir), torch.float32, "cpu").model).experts
+    target = load_model(str(mtp_dir), torch.float32, "cpu", expert_shard=(1, 2)).model
+    mtp = load_mtp_layer(target)
+    moe = mtp.experts
+    assert (moe.first_expert, moe.end_expert) == (4, 8) and moe.w13.shape[0] == moe.w2.shape[0] == 4
+    assert torch.equal(moe.w13, full.w13[4:]) and torch.equal(moe.w2, full.w2[4:])
+    assert target.nextn == (mtp,)
+    target.bind_ep_group(None, "all_to_all")
+    moe = mtp.experts
+    assert (moe.first_expert, moe.end_expert) == (0, 8) and moe.dispatcher is None
+    assert torch.equal(moe.w13, full.w13) and torch.equal(moe.w2, full.w2)
 
 
 # ---- through the engine -------------------------------------------------------------------
