@@ -148,9 +148,12 @@ def test_a_dead_rank_is_restarted_and_rejoins_at_full_size():
         liveness.dead.add(1)
         assert ranks[0].next_message(p.Reform).world_size == 1  # the survivor alone, first
         liveness.restart_gate.set()
-        deadline = time.monotonic() + 10
-        while router.membership.restarts.get(1, 0) < 2 and time.monotonic() < deadline:
+        # Wait for the second attempt to have FAILED, not only started: the count goes up
+        # before the attempt runs, and clearing the error inside that window let it succeed.
+        deadline = time.monotonic() + 120
+        while c.health()[1]["reason"].count("the restart failed") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert router.membership.restarts.get(1, 0) == 2
         liveness.restart_error = None  # too late: both restarts were used
         time.sleep(0.5)
         assert liveness.restarted == [] and [h["up"] for h in c.health()] == [True, False]
