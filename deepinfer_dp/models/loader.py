@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from deepinfer_dp.models.deepseek import DEEPSEEK_MODEL_TYPES, DeepseekForCausalLM
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
+from deepinfer_dp.models.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, dequantize, fp8_block_size
 from deepinfer_dp.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_supported
 from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES, MoeForCausalLM
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
@@ -79,12 +80,33 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def iterate_weights(model_dir: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs, memory-mapped from the safetensors files; with
-    `keep`, only the names it accepts are read at all (another EP rank's experts are not)."""
-    for file in safetensors_files(model_dir):
+    `keep`, only the names it accepts are read at all (another EP rank's experts are not).
+    Block-scaled fp8 matrices come out widened to fp32, their scales consumed (fp8_blocks.py)."""
+    block = fp8_block_size(model_dir)
+    files = safetensors_files(model_dir)
+    where = {name: file for file in files for name in _names(file)} if block else {}
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if keep is None or keep(name):
-                    yield name, f.get_tensor(name)
+                if (block and name.endswith(SCALE_SUFFIX)) or (keep is not None and not keep(name)):
+                    continue
+                tensor = f.get_tensor(name)
+                if block and tensor.dtype in FP8_DTYPES:
+                    tensor = dequantize(name, tensor, _scale_of(name, where), block)
+                yield name, tensor
+
+
+def _names(file: Path) -> list[str]:
+    with safe_open(file, framework="pt") as f:
+        return list(f.keys())
+
+
+def _scale_of(name: str, where: dict[str, Path]) -> torch.Tensor:
+    scale = name + SCALE_SUFFIX
+    if scale not in where:
+        raise ValueError(f"checkpoint weight {name!r} is fp8 but the checkpoint has no {scale!r} for it")
+    with safe_open(where[scale], framework="pt") as f:
+        return f.get_tensor(scale)
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
