@@ -65,6 +65,34 @@ def load_oracle(model_dir: str | os.PathLike):
                                                 attn_implementation="eager").eval()
 
 
+LOGITS_ATOL = 1e-3
+
+
+def oracle_logits(oracle, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return oracle(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL) -> None:
+    diff = (ours - ref).abs().max().item()
+    assert diff < atol, f"max |logit difference| {diff:.2e} >= {atol}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "greedy tokens differ"
+
+
+def check_batched_decode(loaded: LoadedModel, oracle) -> None:
+    """Three prompts prefilled together, then six forced tokens decoded as one batch: every
+    step's logits against transformers on the whole sequence."""
+    prompts = random_prompts(loaded.hf_config.vocab_size, [3, 17, 40], seed=1)
+    forced = random_prompts(loaded.hf_config.vocab_size, [6, 6, 6], seed=2)
+    seqs = PagedSequences(loaded, seed=3)
+    seqs.step(dict(enumerate(prompts)), is_prefill=True)
+    refs = [oracle_logits(oracle, p + f) for p, f in zip(prompts, forced, strict=True)]
+    for step in range(6):
+        logits = seqs.step({i: [forced[i][step]] for i in range(3)}, is_prefill=False)
+        for i, ours in enumerate(logits):
+            assert_close(ours[0], refs[i][len(prompts[i]) + step])
+
+
 class PagedSequences:
     """A KV cache plus block tables for a few sequences, blocks handed out in random order."""
 

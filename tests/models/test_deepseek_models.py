@@ -12,15 +12,13 @@ import shutil
 import pytest
 import torch
 from deepseek_utils import DEEPSEEK_KINDS, build_tiny_deepseek
-from moe_utils import PagedSequences, load_oracle, random_prompts
+from moe_utils import PagedSequences, assert_close, check_batched_decode, load_oracle, oracle_logits, random_prompts
 from safetensors.torch import load_file, save_file
 
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.layers import mla
 from deepinfer_dp.models import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from deepinfer_dp.sampling_params import SamplingParams
-
-ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +31,6 @@ def ds_models(request, ds_root):
     """(kind, our LoadedModel, the transformers oracle on the same directory)."""
     path = build_tiny_deepseek(request.param, ds_root / request.param)
     return request.param, load_model(str(path), torch.float32, "cpu"), load_oracle(path)
-
-
-def oracle_logits(oracle, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return oracle(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    diff = (ours - ref).abs().max().item()
-    assert diff < ATOL, f"max |logit difference| {diff:.2e} >= {ATOL}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "greedy tokens differ"
 
 
 @pytest.mark.parametrize("path", ["absorbed", "up_projected"])
@@ -63,15 +50,7 @@ def test_prefill_matches_transformers(ds_models, path, monkeypatch):
 
 def test_batched_decode_matches_transformers(ds_models):
     _, loaded, oracle = ds_models
-    prompts = random_prompts(loaded.hf_config.vocab_size, [3, 17, 40], seed=1)
-    forced = random_prompts(loaded.hf_config.vocab_size, [6, 6, 6], seed=2)
-    seqs = PagedSequences(loaded, seed=3)
-    seqs.step(dict(enumerate(prompts)), is_prefill=True)
-    refs = [oracle_logits(oracle, p + f) for p, f in zip(prompts, forced, strict=True)]
-    for step in range(6):
-        logits = seqs.step({i: [forced[i][step]] for i in range(3)}, is_prefill=False)
-        for i, ours in enumerate(logits):
-            assert_close(ours[0], refs[i][len(prompts[i]) + step])
+    check_batched_decode(loaded, oracle)
 
 
 def test_chunked_prefill_equals_one_shot(ds_models):

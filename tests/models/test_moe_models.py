@@ -12,8 +12,11 @@ import torch
 from moe_utils import (
     MOE_KINDS,
     PagedSequences,
+    assert_close,
     build_tiny_moe,
+    check_batched_decode,
     load_oracle,
+    oracle_logits,
     random_prompts,
 )
 from safetensors.torch import load_file, save_file
@@ -21,8 +24,6 @@ from safetensors.torch import load_file, save_file
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.models import load_model
 from deepinfer_dp.sampling_params import SamplingParams
-
-ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +38,6 @@ def moe_models(request, moe_root):
     return request.param, load_model(str(path), torch.float32, "cpu"), load_oracle(path)
 
 
-def oracle_logits(oracle, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return oracle(torch.tensor([tokens])).logits[0].float()
-
-
-def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    diff = (ours - ref).abs().max().item()
-    assert diff < ATOL, f"max |logit difference| {diff:.2e} >= {ATOL}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "greedy tokens differ"
-
-
 def test_prefill_matches_transformers(moe_models):
     _, loaded, oracle = moe_models
     prompts = random_prompts(loaded.hf_config.vocab_size, [1, 7, 33, 100])
@@ -58,15 +48,7 @@ def test_prefill_matches_transformers(moe_models):
 
 def test_batched_decode_matches_transformers(moe_models):
     _, loaded, oracle = moe_models
-    prompts = random_prompts(loaded.hf_config.vocab_size, [3, 17, 40], seed=1)
-    forced = random_prompts(loaded.hf_config.vocab_size, [6, 6, 6], seed=2)
-    seqs = PagedSequences(loaded, seed=3)
-    seqs.step(dict(enumerate(prompts)), is_prefill=True)
-    refs = [oracle_logits(oracle, p + f) for p, f in zip(prompts, forced, strict=True)]
-    for step in range(6):
-        logits = seqs.step({i: [forced[i][step]] for i in range(3)}, is_prefill=False)
-        for i, ours in enumerate(logits):
-            assert_close(ours[0], refs[i][len(prompts[i]) + step])
+    check_batched_decode(loaded, oracle)
 
 
 def test_chunked_prefill_equals_one_shot(moe_models):
