@@ -9,6 +9,10 @@ namespace deepinfer {
 
 namespace {
 constexpr int kGroupRows = 3;  // cpu_linear's tile height
+// Input rows up to which each weight block is widened in registers and used at once; from 7
+// rows on, cpu_linear's register tiles on widened rows are faster (benchmarks/kernel_crossover.py).
+constexpr int kFewRows = 6;
+constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernels prefetch
 
 #ifdef DEEPINFER_PACKED_AVX2
 using namespace packed_detail;
@@ -21,13 +25,14 @@ DEEPINFER_AVX2_FN float sum8(__m256 a) {
   return _mm_cvtss_f32(h);
 }
 
-// One input row against NB weight rows, widening each block in registers straight into the
-// multiply-adds: at batch 1 the widening is most of the work, and a round trip through the
-// buffer would double it. Each output is the same chain of fused multiply-adds over K in
-// steps of 8 as in cpu_linear's tiles, so the floats equal the buffered path's.
-template <int NB>
+// One input row against NB weight rows of format F, widening each block in registers
+// straight into the multiply-adds: at batch 1 the widening is most of the work, and a round
+// trip through the buffer would double it. Each output is the same chain of fused
+// multiply-adds over K in steps of 8 as in cpu_linear's tiles, so the floats equal the
+// buffered path's. Four rows at once keep four independent chains in flight, which hides
+// the multiply-add latency; the format is a template argument so no per-block test remains.
+template <class F, int NB>
 DEEPINFER_AVX2_FN void rows_one_input(const float *x, const PackedMatrix &w, const float *bias, float *y, int n) {
-  const size_t step = block_bytes(w.format);
   const uint8_t *rows[NB];
   __m256 acc[NB], wv[4];
   for (int i = 0; i < NB; ++i) {
@@ -38,8 +43,11 @@ DEEPINFER_AVX2_FN void rows_one_input(const float *x, const PackedMatrix &w, con
     const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8), x2 = _mm256_loadu_ps(x + k + 16),
                  x3 = _mm256_loadu_ps(x + k + 24);
     for (int i = 0; i < NB; ++i) {
-      widen_block(w.format, rows[i], wv);
-      rows[i] += step;
+      // The rows after this group, one block at a time: at one input row the kernel is
+      // bound by memory, and the hardware prefetcher alone leaves half the bandwidth unused.
+      _mm_prefetch(reinterpret_cast<const char *>(rows[i] + kAheadRows * w.row_bytes), _MM_HINT_T0);
+      F::widen(rows[i], wv);
+      rows[i] += F::kBytes;
       acc[i] = _mm256_fmadd_ps(wv[0], x0, acc[i]);
       acc[i] = _mm256_fmadd_ps(wv[1], x1, acc[i]);
       acc[i] = _mm256_fmadd_ps(wv[2], x2, acc[i]);
@@ -52,11 +60,66 @@ DEEPINFER_AVX2_FN void rows_one_input(const float *x, const PackedMatrix &w, con
   }
 }
 
+template <class F>
 __attribute__((target("avx2,fma,f16c"))) void columns_one_input(const float *x, const PackedMatrix &w,
                                                                 const float *bias, float *y, int n0, int n1) {
   int n = n0;
-  for (; n + 4 <= n1; n += 4) rows_one_input<4>(x, w, bias, y, n);
-  for (; n < n1; ++n) rows_one_input<1>(x, w, bias, y, n);
+  for (; n + 4 <= n1; n += 4) rows_one_input<F, 4>(x, w, bias, y, n);
+  for (; n < n1; ++n) rows_one_input<F, 1>(x, w, bias, y, n);
+}
+
+// MB input rows against one weight row of format F: each block is widened once into
+// registers and used by every input row (x stays in L1). Each output's chain of multiply-adds
+// is the same as in cpu_linear's tiles, so the floats are the same.
+template <class F, int MB>
+DEEPINFER_AVX2_FN void row_few_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int n) {
+  const int K = w.cols;
+  const uint8_t *row = w.data + static_cast<size_t>(n) * w.row_bytes;
+  __m256 acc[MB], wv[4];
+  for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_ps();
+  for (int k = 0; k < K; k += 32, row += F::kBytes) {
+    _mm_prefetch(reinterpret_cast<const char *>(row + kAheadRows * w.row_bytes), _MM_HINT_T0);
+    F::widen(row, wv);
+    for (int j = 0; j < MB; ++j) {
+      const float *xj = x + static_cast<size_t>(j) * K + k;
+      acc[j] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xj), acc[j]);
+      acc[j] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xj + 8), acc[j]);
+      acc[j] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xj + 16), acc[j]);
+      acc[j] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xj + 24), acc[j]);
+    }
+  }
+  for (int j = 0; j < MB; ++j) {
+    const float s = sum8(acc[j]);
+    y[static_cast<size_t>(j) * w.rows + n] = bias ? s + bias[n] : s;
+  }
+}
+
+template <class F, int MB>
+__attribute__((target("avx2,fma,f16c"))) void columns_few(const float *x, const PackedMatrix &w, const float *bias,
+                                                          float *y, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) row_few_inputs<F, MB>(x, w, bias, y, n);
+}
+
+template <class F>
+void few_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  switch (M) {
+    case 1: return columns_one_input<F>(x, w, bias, y, n0, n1);
+    case 2: return columns_few<F, 2>(x, w, bias, y, n0, n1);
+    case 3: return columns_few<F, 3>(x, w, bias, y, n0, n1);
+    case 4: return columns_few<F, 4>(x, w, bias, y, n0, n1);
+    case 5: return columns_few<F, 5>(x, w, bias, y, n0, n1);
+    default: return columns_few<F, kFewRows>(x, w, bias, y, n0, n1);
+  }
+}
+
+// M in [1, kFewRows]: the format picked once, outside every loop.
+void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  switch (w.format) {
+    case WeightFormat::kBF16: return few_inputs<BF16>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_0: return few_inputs<Q4_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_1: return few_inputs<Q4_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ8_0: return few_inputs<Q8_0>(x, w, bias, y, M, n0, n1);
+  }
 }
 
 bool fused_ok(const PackedMatrix &w) {
@@ -71,7 +134,7 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
                            int n_end) {
   const int K = w.cols, N = w.rows;
 #ifdef DEEPINFER_PACKED_AVX2
-  if (M == 1 && fused_ok(w)) return columns_one_input(x, w, bias, y, n_begin, n_end);
+  if (M <= kFewRows && fused_ok(w)) return fused_inputs(x, w, bias, y, M, n_begin, n_end);
 #endif
   // One buffer per thread, kept between calls: 3 rows of K floats (7 KB at K = 576).
   thread_local std::vector<float> rows;

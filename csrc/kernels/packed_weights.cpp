@@ -78,14 +78,25 @@ void widen_scalar(const PackedMatrix &w, const uint8_t *row, float *out) {
 }
 
 #ifdef DEEPINFER_PACKED_AVX2
-__attribute__((target("avx2,fma,f16c"))) void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
-  using namespace packed_detail;
-  if (w.format == WeightFormat::kBF16 && w.cols % 32) return widen_scalar(w, row, out);
-  const size_t step = block_bytes(w.format);
+// F: the format's block type (packed_blocks.h), chosen once per row rather than per block.
+template <class F>
+__attribute__((target("avx2,fma,f16c"))) void widen_blocks(const uint8_t *row, int cols, float *out) {
   __m256 v[4];
-  for (int k = 0; k < w.cols; k += 32, row += step) {
-    widen_block(w.format, row, v);
+  for (int k = 0; k < cols; k += 32, row += F::kBytes) {
+    F::widen(row, v);
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 8 * i, v[i]);
+  }
+}
+
+void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
+  using namespace packed_detail;
+  switch (w.format) {
+    case WeightFormat::kBF16:
+      if (w.cols % 32) return widen_scalar(w, row, out);
+      return widen_blocks<BF16>(row, w.cols, out);
+    case WeightFormat::kQ4_0: return widen_blocks<Q4_0>(row, w.cols, out);
+    case WeightFormat::kQ4_1: return widen_blocks<Q4_1>(row, w.cols, out);
+    case WeightFormat::kQ8_0: return widen_blocks<Q8_0>(row, w.cols, out);
   }
 }
 

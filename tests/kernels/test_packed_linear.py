@@ -73,7 +73,10 @@ def fp32_kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (13, 50, 1536, True), (64, 7, 64, False)])
+# 1-6 input rows take the fused kernel (blocks widened in registers), 7 and up the buffered one.
+@pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (1, 37, 64, True), (2, 41, 576, True),
+                                        (3, 9, 1536, False), (5, 66, 96, True), (6, 31, 576, False),
+                                        (7, 20, 576, True), (13, 50, 1536, True), (64, 7, 64, False)])
 def test_product_equals_fp32_kernel_on_widened_weights(fmt, m, n, k, bias):
     w, ref = packed_matrix(fmt, n, k)
     g = torch.Generator().manual_seed(1)
@@ -91,7 +94,8 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(fmt):
         assert torch.equal(packed_kernel(x, w, None, threads=threads), whole)
     for i in (0, 5, 12):
         assert torch.equal(packed_kernel(x[i:i + 1].clone(), w, None), whole[i:i + 1])
-        assert torch.equal(packed_kernel(x[i:i + 4].clone(), w, None, threads=2), whole[i:i + 4])
+        for rows in (2, 3, 4, 6, 7):
+            assert torch.equal(packed_kernel(x[i:i + rows].clone(), w, None, threads=2), whole[i:i + rows])
 
 
 @pytest.mark.parametrize("call,match", [
