@@ -17,6 +17,7 @@ from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardC
 from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
+from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -196,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.make_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Decode steps on CPU through NumPy buffers (llama_cpu_decode.py); built at the first
+        # forward, once the weights are loaded and in their kernels' formats. False: not usable.
+        self.cpu_decode: LlamaCpuDecode | bool | None = None
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -215,6 +219,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of the flattened tokens of this step."""
         self.context.attn_metadata = attn_metadata
         try:
+            if self.cpu_decode is None:
+                self.cpu_decode = LlamaCpuDecode.build(self.model) or False
+            if self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
+                return self.cpu_decode(input_ids, positions, attn_metadata)
             return self.model(input_ids, positions)
         finally:
             self.context.attn_metadata = None

@@ -1,0 +1,56 @@
+"""The lean CPU decode loop (models/llama_cpu_decode.py) gives every float the module path
+gives: the hidden states of every step, compared bit for bit with the loop on and off, for
+fp32 weights (CpuLinear), packed weights, q/k/v bias, tied embeddings and GQA; and it stays
+out of the way of models it does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import build_tiny_model, prompts_of_lengths, token_ids
+from test_packed_models import quantized_copy
+
+from deepinfer_dp import LLM, SamplingParams
+from deepinfer_dp.models import llama_cpu_decode
+from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def hidden_per_step(model_dir: str, monkeypatch, enabled: bool, threads: int) -> tuple[list, list, object]:
+    """Token ids, and the hidden states handed to compute_logits at every step."""
+    monkeypatch.setattr(llama_cpu_decode, "ENABLED", enabled)
+    llm = LLM(model_dir, decode_sequence=False, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
+              max_model_len=128, torch_threads=threads)
+    try:
+        model = llm.llm_engine.worker.runner.model
+        seen, logits = [], model.compute_logits
+        monkeypatch.setattr(model, "compute_logits", lambda h: (seen.append(h.clone()), logits(h))[1])
+        prompts = prompts_of_lengths([5, 9, 3, 14])
+        ids = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
+        return ids, seen, model.cpu_decode
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral", "q4_1"])
+def test_decode_loop_equals_the_modules_bit_for_bit(kind, tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.mktemp("cpu_decode")
+    if kind == "q4_1":
+        model_dir = quantized_copy("llama-gqa", root, {"proj": "q4_1"})
+    else:
+        model_dir = str(build_tiny_model(kind, root / kind))
+    threads = 2
+    ids_on, hidden_on, loop = hidden_per_step(model_dir, monkeypatch, True, threads)
+    ids_off, hidden_off, _ = hidden_per_step(model_dir, monkeypatch, False, threads)
+    assert isinstance(loop, LlamaCpuDecode)  # the loop did run
+    assert ids_on == ids_off
+    assert len(hidden_on) == len(hidden_off) > 10
+    for a, b in zip(hidden_on, hidden_off, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_models_it_does_not_cover_keep_the_module_path(tmp_path, monkeypatch):
+    model_dir = str(build_tiny_model("qwen3-qknorm", tmp_path / "qwen3"))
+    _, _, loop = hidden_per_step(model_dir, monkeypatch, True, 1)
+    assert loop is False
