@@ -8,9 +8,10 @@ in the same order on the same weights: the q/k/v, o, gate/up and down products
 `_C.rotary` in place on the fused qkv output, the K/V store and `_C.paged_attention`, and
 torch's own silu and product between the MLP's two products. Every float is the one the
 module path gives (a test holds them equal), so it is an implementation detail of
-`LlamaForCausalLM.forward`: used for pure decode steps of plain Llama-family layers, the
-module path for everything else (prefill, speculative verification, Qwen3's q/k norms,
-MoE layers, other devices and dtypes).
+`LlamaForCausalLM.forward`: used for decode steps of plain Llama-family layers, and for
+steps of a few tokens a sequence (speculative verification, short prefill chunks) that the
+module path also gives to the attention kernel; the module path takes everything else
+(longer prefill, Qwen3's q/k norms, MoE layers, other devices and dtypes).
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ class LlamaCpuDecode:
 
     def applies(self, input_ids: torch.Tensor, md: attention.AttentionMetadata) -> bool:
         attn = self.layers[0].attn
-        return (ENABLED and attention.CPU_KERNEL and not md.is_prefill and not md.is_placeholder
+        # Prefill chunks of a few tokens a sequence (speculative verification, prefix-cache
+        # hits) take the same attention kernel in the module path; longer ones do not.
+        few = not md.is_prefill or md.max_query_len <= attention.KERNEL_MAX_QUERY_LEN
+        return (ENABLED and attention.CPU_KERNEL and few and not md.is_placeholder
                 and input_ids.device.type == "cpu" and attn.k_cache is not None
                 and attn.k_cache.dtype == torch.float32 and 0 < input_ids.numel() <= self.max_rows)
 
@@ -116,7 +120,9 @@ class LlamaCpuDecode:
         cos_table, sin_table = self.rotary._cos_sin(torch.device("cpu"), torch.float32)
         pos = positions.numpy()
         cos, sin = cos_table.numpy()[pos], sin_table.numpy()[pos]
-        step = (md.slot_mapping.numpy(), md.block_tables.numpy(), md.seq_lens.numpy(), threads)
+        # Per query row: how many positions it sees, and its sequence's block-table row.
+        lens, rows = (attention.prefill_queries(md)[::-1] if md.is_prefill else (md.seq_lens.numpy(), None))
+        step = (md.slot_mapping.numpy(), md.block_tables.numpy(), lens, rows, threads)
         normed = np.empty_like(hidden)
         _C.rms_norm(hidden, None, self.layers[0].input_norm, self.layers[0].eps, normed)
         for i, layer in enumerate(self.layers):
@@ -132,7 +138,7 @@ class LlamaCpuDecode:
         return torch.from_numpy(normed)
 
     def _attention(self, layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, step) -> np.ndarray:
-        slots, block_tables, seq_lens, threads = step
+        slots, block_tables, lens, rows, threads = step
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         # [T, heads of q, k and v, D]: a view, so the rotations below land in the qkv output.
         qkv = layer.qkv(x, threads).reshape(t, nh + 2 * nkv, self.head_dim)
@@ -143,8 +149,8 @@ class LlamaCpuDecode:
         k_cache.reshape(-1, self.num_kv_heads, self.head_dim)[slots] = k
         v_cache.reshape(-1, self.num_kv_heads, self.head_dim)[slots] = v
         out = np.empty((t, self.num_heads, self.head_dim), dtype=np.float32)
-        _C.paged_attention(np.ascontiguousarray(q), k_cache, v_cache, block_tables, seq_lens, out,
-                           layer.attn.scale, threads, None)
+        _C.paged_attention(np.ascontiguousarray(q), k_cache, v_cache, block_tables, lens, out,
+                           layer.attn.scale, threads, rows)
         return layer.o(out.reshape(t, self.q_size), threads)
 
     def _mlp(self, layer: _Layer, x: np.ndarray, threads: int) -> np.ndarray:

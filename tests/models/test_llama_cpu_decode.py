@@ -17,16 +17,17 @@ from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def hidden_per_step(model_dir: str, monkeypatch, enabled: bool, threads: int) -> tuple[list, list, object]:
+def hidden_per_step(model_dir: str, monkeypatch, enabled: bool, threads: int, **engine) -> tuple[list, list, object]:
     """Token ids, and the hidden states handed to compute_logits at every step."""
     monkeypatch.setattr(llama_cpu_decode, "ENABLED", enabled)
     llm = LLM(model_dir, decode_sequence=False, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
-              max_model_len=128, torch_threads=threads)
+              max_model_len=128, torch_threads=threads, **engine)
     try:
         model = llm.llm_engine.worker.runner.model
         seen, logits = [], model.compute_logits
         monkeypatch.setattr(model, "compute_logits", lambda h: (seen.append(h.clone()), logits(h))[1])
-        prompts = prompts_of_lengths([5, 9, 3, 14])
+        # A 40-token prompt is prefilled by the modules (longer than the kernel's chunks).
+        prompts = prompts_of_lengths([5, 9, 3, 40])
         ids = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
         return ids, seen, model.cpu_decode
     finally:
@@ -46,6 +47,19 @@ def test_decode_loop_equals_the_modules_bit_for_bit(kind, tmp_path_factory, monk
     assert isinstance(loop, LlamaCpuDecode)  # the loop did run
     assert ids_on == ids_off
     assert len(hidden_on) == len(hidden_off) > 10
+    for a, b in zip(hidden_on, hidden_off, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_speculative_verification_steps_equal_the_modules(tmp_path, monkeypatch):
+    """n-gram drafts make steps of K + 1 tokens a sequence: the loop takes them too."""
+    model_dir = str(build_tiny_model("llama-gqa", tmp_path / "llama"))
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 2}}
+    ids_on, hidden_on, _ = hidden_per_step(model_dir, monkeypatch, True, 2, **spec)
+    ids_off, hidden_off, _ = hidden_per_step(model_dir, monkeypatch, False, 2, **spec)
+    assert ids_on == ids_off
+    assert any(h.shape[0] > 4 for h in hidden_on)  # verification steps score several rows a sequence
     for a, b in zip(hidden_on, hidden_off, strict=True):
         assert torch.equal(a, b)
 
