@@ -17,9 +17,14 @@ drifts over minutes), and the best round of each side gives tokens/s; the ratio 
 "off" at the same point. The script checks that every
 side produced the same tokens, and prints the mean accepted length.
 
+--threshold measures the auto-off threshold (disable_by_batch_size): n-gram always on against
+off, at batch sizes 1, 2, 4, 8, 16 and 32 (or --batches), on both workloads, and prints the
+first batch size where speculation stops paying (ratio < 1.0) on the ordinary workload and
+the default it suggests. With --rounds 1 --max-tokens 40 it takes a few minutes.
+
     python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3] [--max-tokens 96]
         [--workloads repetition ordinary] [--sides off ngram ngram_always draft draft_always] (also: off_nozos)
-        [--draft-layers 8 | --draft PATH]
+        [--draft-layers 8 | --draft PATH] [--threshold]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ REPETITION = [
     f"Rewrite this code with a while loop instead of the for loop, keeping everything else:\n\n{CODE}",
 ]
 ORDINARY = "Write a short story about a robot number {i}."
+THRESHOLD_BATCHES = [1, 2, 4, 8, 16, 32]
 
 
 def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
@@ -107,15 +113,23 @@ def run_side(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 4 16 64; --threshold: "
+                    f"{' '.join(map(str, THRESHOLD_BATCHES))})")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["repetition", "ordinary"])
     ap.add_argument("--sides", nargs="+", default=["off", "ngram", "ngram_always", "draft", "draft_always"])
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the layer-skip draft")
     ap.add_argument("--draft", help="a draft model directory (default: the layer-skip draft)")
+    ap.add_argument("--threshold", action="store_true",
+                    help="measure disable_by_batch_size: sides off and ngram_always, and print the suggestion")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     args = ap.parse_args()
+    if args.threshold:
+        args.sides = ["off", "ngram_always"]
+        if "ordinary" not in args.workloads:
+            ap.error("--threshold reads the crossover off the ordinary workload: keep it in --workloads")
+    args.batches = args.batches or (THRESHOLD_BATCHES if args.threshold else [1, 4, 16, 64])
     if args.side:
         print(json.dumps(run_side(args)))
         return
@@ -137,6 +151,36 @@ def main() -> None:
                 if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
                     best[(point, side)] = v
     report(args, best)
+    if args.threshold:
+        suggest_threshold(args, best)
+
+
+def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
+    """The n-gram / off ratio by batch size, and the auto-off threshold read off the ordinary
+    workload: drafting stays on while at most disable_by_batch_size requests run, so the
+    suggestion is the largest measured batch size below the first one where it loses."""
+    batches = sorted(args.batches)
+    ratios = {w: {b: best[(f"{w}/{b}", "ngram_always")]["tok_s"] / best[(f"{w}/{b}", "off")]["tok_s"]
+                  for b in batches} for w in args.workloads}
+    print(f"\nn-gram always on / off, tokens/s ratio by batch size (K={args.k}, best of {args.rounds} rounds):")
+    for w, by_batch in ratios.items():
+        print(f"  {w:<12}" + "".join(f"  b{b}: {r:.2f}x" for b, r in by_batch.items()))
+    losing = [b for b in batches if ratios["ordinary"][b] < 1.0]
+    first = losing[0] if losing else None
+    paying = [b for b in batches if first is None or b < first]
+    suggested = paying[-1] if paying else None
+    if first is None:
+        print(f"ordinary workload: n-gram pays at every measured batch size (up to {batches[-1]}); "
+              f"disable_by_batch_size >= {batches[-1]}")
+    elif suggested is None:
+        print(f"ordinary workload: n-gram loses already at batch {first} ({ratios['ordinary'][first]:.2f}x): "
+              "no batch size where it pays")
+    else:
+        print(f"ordinary workload: n-gram stops paying at batch {first} ({ratios['ordinary'][first]:.2f}x); "
+              f"suggested disable_by_batch_size = {suggested} (the largest measured batch size below it: "
+              f"drafting stays on while at most that many requests run)")
+    print(json.dumps({"threshold": {"first_losing_batch": first, "suggested_disable_by_batch_size": suggested,
+                                    "ratios": ratios}}))
 
 
 def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:

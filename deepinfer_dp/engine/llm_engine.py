@@ -73,8 +73,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
         self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
-        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len)
-        check_kv_capacity(config, loaded, config.torch_dtype(), num_blocks, self.max_model_len)
+        # a draft model's (or MTP head's) own KV cache comes out of the same budget
+        draft_per_block = speculator.kv_bytes_per_block(config.speculative_config, self.hf_config,
+                                                        config.block_size, config.torch_dtype())
+        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len, draft_per_block)
+        check_kv_capacity(config, loaded, config.torch_dtype(), num_blocks, self.max_model_len, draft_per_block)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,

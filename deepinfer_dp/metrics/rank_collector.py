@@ -48,6 +48,11 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),
     ("spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
      "Draft tokens the target model agreed with."),
+    ("spec_decode_steps", "counter", "spec_decode_steps",
+     "Engine steps that drafted (speculation on and at most disable_by_batch_size requests running)."),
+    ("spec_decode_draft_time_seconds", "counter", "spec_decode_draft_time_s",
+     "Time the proposer spent drafting (a draft model's passes over the target's forwards included); "
+     "divided by spec_decode_steps, the drafting time per speculative step."),
     ("structured_output_requests", "counter", "so_constrained_requests",
      "Requests admitted with a structured-output grammar (JSON schema, regex, choice, grammar)."),
     ("structured_output_cache_hits", "counter", "so_cache_hits", "Grammar builds served from the LRU cache."),

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # Above this many running requests speculation turns itself off (vLLM's
 # disable_by_batch_size): verifying K drafts per sequence stops being nearly free once the
 # step is no longer bound by reading the weights. A first estimate; benchmarks/spec_decode.py
-# (side ngram_always) measures the crossover (README, "Speculative decoding").
+# --threshold measures the crossover (README, "Speculative decoding").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

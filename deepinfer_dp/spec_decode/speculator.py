@@ -18,6 +18,8 @@ it missed (one draft pass) the next time it drafts for that sequence.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from deepinfer_dp import _C
 from deepinfer_dp.layers.sampler import SamplingBatch
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer
+from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer, TargetStep
 from deepinfer_dp.spec_decode.rejection import DraftRows
 
 
@@ -36,6 +38,10 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.spec_steps = 0  # steps with speculation on (drafted, not deferred); auto-off steps are not counted
+        # Host seconds the proposer spent: drafting, and a network's own passes over the
+        # target's forwards (timed()). On CUDA the drafts' copy to the host waits for the
+        # drafting kernels; a network's passes over the target's forwards count their launches.
+        self.draft_time_s = 0.0
 
     def before_schedule(self, scheduler: _C.Scheduler) -> bool:
         """Drafts for the next step unless the batch is too large; True when speculating
@@ -44,11 +50,26 @@ class Speculator:
         if limit is not None and scheduler.num_running > limit:
             padding = getattr(self.proposer, "draft_padding", None)
             if padding is not None:  # MTP under EP: the peers may draft, their collectives need ours
+                start = time.perf_counter()
                 padding(self.k)
+                self.draft_time_s += time.perf_counter() - start
             return False
+        start = time.perf_counter()
         self.proposer.propose(scheduler, self.k)
+        self.draft_time_s += time.perf_counter() - start
         self.spec_steps += 1
         return True
+
+    def timed(self, observe: Callable[[TargetStep], None]) -> Callable[[TargetStep], None]:
+        """`observe` (a proposer's pass over a target forward, run on the device thread)
+        with its time added to draft_time_s."""
+        def timed_observe(step: TargetStep) -> None:
+            start = time.perf_counter()
+            try:
+                observe(step)
+            finally:
+                self.draft_time_s += time.perf_counter() - start
+        return timed_observe
 
     def after_step(self, sched_out: _C.SchedulerOutput, speculating: bool) -> None:
         """Tells a proposer with its own network which positions its forward saw (only
@@ -113,19 +134,41 @@ def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
                          f"must fit one KV block (block_size={runner.block_size}): the placeholder step's "
                          "draft padding lives in the reserved block 0")
     runner.placeholder_tokens = 1 + config.num_speculative_tokens
-    proposer = None
+    if config.method == "ngram":
+        return Speculator(config)
     if config.method == "draft_model":
         from deepinfer_dp.spec_decode.draft_model import build_draft_proposer
 
         proposer = build_draft_proposer(config.model, engine)
-        runner.target_observer = proposer.observe_target
-    elif config.method == "mtp":
+    else:
         from deepinfer_dp.spec_decode.mtp import build_mtp_proposer
 
         proposer = build_mtp_proposer(engine)
-        runner.target_observer = proposer.observe_target
         runner.observe_every_pass = True
-    return Speculator(config, proposer)
+    spec = Speculator(config, proposer)
+    runner.target_observer = spec.timed(proposer.observe_target)
+    return spec
+
+
+def kv_bytes_per_block(value: dict[str, Any] | None, target_config: Any, block_size: int,
+                       dtype: torch.dtype) -> int:
+    """Bytes one block of the proposer's own KV cache takes (0: it has none), for sizing the
+    target's cache so that kv_cache_memory_gb holds both: a draft model's cache has all its
+    layers, an MTP head's one latent layer. (Read before anything is loaded: the draft
+    model's config only.)"""
+    config = parse_speculative_config(value)
+    if config is None or config.method == "ngram":
+        return 0
+    if config.method == "draft_model":
+        from deepinfer_dp.models import kv_cache_bytes_per_block
+        from deepinfer_dp.models.loader import load_hf_config, resolve_model_dir
+
+        return kv_cache_bytes_per_block(load_hf_config(resolve_model_dir(config.model)), block_size, dtype)
+    from deepinfer_dp.layers.mla import is_mla, mla_entry_size
+
+    if not is_mla(target_config):  # no MTP layer to load: left to build_mtp_proposer to fail on
+        return 0
+    return block_size * mla_entry_size(target_config) * dtype.itemsize
 
 
 def may_draft(params: SamplingParams) -> bool:
@@ -149,9 +192,10 @@ def may_draft(params: SamplingParams) -> bool:
 
 
 def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dict[str, Any]:
-    """The scheduler's counters plus, under speculation, the derived rates."""
+    """The scheduler's counters plus the speculator's (zero when speculation is off) and,
+    under speculation, the derived rates."""
     if speculator is None:
-        return dict(scheduler_stats)
+        return {**scheduler_stats, "spec_decode_steps": 0, "spec_decode_draft_time_s": 0.0}
     own = getattr(speculator.proposer, "stats", None)  # a proposer's own counters (MTP's)
     return {**scheduler_stats, **Speculator.stats(scheduler_stats), "spec_decode_steps": speculator.spec_steps,
-            **(own() if own is not None else {})}
+            "spec_decode_draft_time_s": speculator.draft_time_s, **(own() if own is not None else {})}

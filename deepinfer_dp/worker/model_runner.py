@@ -45,18 +45,29 @@ class ModelInput:
     observe_target: bool = False  # a speculative step: the proposer's network (target_observer) sees it
 
 
-def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int) -> int:
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int,
+                      draft_bytes_per_block: int = 0) -> int:
     """Blocks in the KV cache: as configured, or as many as kv_cache_memory_gb holds, but no
-    more than max_num_seqs full-length sequences can use (plus the dummy block 0)."""
+    more than max_num_seqs full-length sequences can use (plus the dummy block 0).
+
+    `draft_bytes_per_block`: a block of a speculative proposer's own cache (a draft model's),
+    which has one block per target block plus max_num_seqs scratch blocks: the budget holds
+    both caches, as vLLM's KV memory does, so the target gets fewer blocks."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
-    return max(2, min(int(config.kv_cache_memory_gb * 2**30) // per_block, useful))
+    budget = int(config.kv_cache_memory_gb * 2**30) - config.max_num_seqs * draft_bytes_per_block
+    return max(2, min(budget // (per_block + draft_bytes_per_block), useful))
+
+
+def kv_cache_bytes(config: EngineConfig, per_block: int, num_blocks: int, draft_bytes_per_block: int = 0) -> int:
+    """Memory of the KV cache of `num_blocks` blocks, a proposer's own cache included."""
+    return num_blocks * per_block + (num_blocks + config.max_num_seqs) * draft_bytes_per_block
 
 
 def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, num_blocks: int,
-                      max_model_len: int) -> None:
+                      max_model_len: int, draft_bytes_per_block: int = 0) -> None:
     """Refuses at start-up (as vLLM does) a KV cache that cannot hold one sequence of
     max_model_len tokens: a request allowed to grow that long could never be served."""
     usable = num_blocks - 1  # block 0 is the placeholder step's
@@ -65,7 +76,7 @@ def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
         return
     need = -(-max_model_len // config.block_size) + 1
     per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
-    gb = math.ceil(need * per_block / 2**30 * 1000) / 1000
+    gb = math.ceil(kv_cache_bytes(config, per_block, need, draft_bytes_per_block) / 2**30 * 1000) / 1000
     by_memory = f"--kv-cache-memory-gb {gb:g} (kv_cache_memory_gb)"
     by_blocks = f"--num-kv-blocks {need} (num_kv_blocks)"
     if config.num_kv_blocks is not None:  # it wins over the memory budget
