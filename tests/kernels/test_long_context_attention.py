@@ -49,6 +49,16 @@ def test_long_contexts_match_sdpa_and_do_not_depend_on_threads():
     assert torch.equal(kernel(q, k_cache, v_cache, md, threads=5), one)
 
 
+def test_one_long_sequence_splits_over_kv_heads_without_changing_results():
+    """A single sequence is split by KV head across threads; every split gives the same bits."""
+    q, k_cache, v_cache, md = long_case([2257])
+    one = kernel(q, k_cache, v_cache, md, threads=1)
+    expected = A._gathered_decode_attention(q, k_cache, v_cache, md, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(one, expected, atol=2e-6, rtol=1e-5)
+    for threads in (2, 3, 4):
+        assert torch.equal(kernel(q, k_cache, v_cache, md, threads=threads), one)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention of q [Lq, H, D] (the last Lq positions) over k/v [L, Hkv, D], in fp64."""
     group = q.shape[1] // k.shape[1]
