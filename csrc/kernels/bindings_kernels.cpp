@@ -92,19 +92,22 @@ void check_contexts(const PagedAttentionShape &s, const int32_t *block_tables, c
     }
 }
 
-// Cuts [0, n) into up to `parts` ranges [cuts[i], cuts[i + 1]) of about equal total length
-// (a query's work grows with its context), so the threads finish together; one range when
-// the batch is too small to pay for waking a worker.
-std::vector<int> split_by_length(const int32_t *lens, int n, int parts) {
+// Cuts the n * per_query work units (query u / per_query) into up to `parts` ranges
+// [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its query's
+// context), so the threads finish together; one range when the batch is too small to pay
+// for waking a worker. Units rather than queries, so that even one long sequence (its KV
+// heads) keeps several threads busy.
+std::vector<int> split_by_length(const int32_t *lens, int n, int per_query, int parts) {
   int64_t total = 0, seen = 0;
-  for (int i = 0; i < n; ++i) total += lens[i];
-  if (total < kMinPositionsPerThread * parts) parts = 1;
+  for (int i = 0; i < n; ++i) total += static_cast<int64_t>(lens[i]) * per_query;
+  if (total < kMinPositionsPerThread * per_query * parts) parts = 1;  // positions, not units
+  const int units = n * per_query;
   std::vector<int> cuts{0};
-  for (int i = 0; i < n && static_cast<int>(cuts.size()) < parts; ++i) {
-    seen += lens[i];
-    if (seen * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(i + 1);
+  for (int u = 0; u < units && static_cast<int>(cuts.size()) < parts; ++u) {
+    seen += lens[u / per_query];
+    if (seen * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(u + 1);
   }
-  cuts.push_back(n);
+  cuts.push_back(units);
   return cuts;
 }
 
@@ -129,7 +132,8 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
   float *dst = out.mutable_data();
   const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  std::vector<int> cuts = split_by_length(lens, s.num_queries, num_threads);
+  require(static_cast<int64_t>(s.num_queries) * s.num_kv_heads <= INT_MAX, "too many queries x KV heads");
+  std::vector<int> cuts = split_by_length(lens, s.num_queries, s.num_kv_heads, num_threads);
   shared_pool(num_threads).run(static_cast<int>(cuts.size()) - 1, num_threads, [&](int c) {
     paged_attention(s, qp, kp, vp, tables, rows, lens, scale, dst, cuts[c], cuts[c + 1]);
   });

@@ -183,22 +183,21 @@ void paged_attention(const PagedAttentionShape &s, const float *q, const float *
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
   const GroupFn fast = pick_group_fn(s.head_dim);
   std::vector<float> scores;
-  for (int i = begin; i < end; ++i) {
+  for (int u = begin; u < end; ++u) {
+    const int i = u / s.num_kv_heads, g = u % s.num_kv_heads;
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
     const int len = context_lens[i];
     scores.resize(static_cast<size_t>(len) * group);
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
-    for (int g = 0; g < s.num_kv_heads; ++g) {
-      PagedRows k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
-      const float *qg = q + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
-      float *og = out + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
-      if (fast) {
-        fast(qg, group, k, v, len, scale, scores.data(), og);
-        continue;
-      }
-      for (int h = 0; h < group; ++h)
-        attend_head_scalar(qg + h * D, k, v, len, s.head_dim, scale, scores.data(), og + h * D);
+    PagedRows k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
+    const float *qg = q + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
+    float *og = out + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
+    if (fast) {
+      fast(qg, group, k, v, len, scale, scores.data(), og);
+      continue;
     }
+    for (int h = 0; h < group; ++h)
+      attend_head_scalar(qg + h * D, k, v, len, s.head_dim, scale, scores.data(), og + h * D);
   }
 }
 

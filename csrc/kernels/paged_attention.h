@@ -24,7 +24,9 @@ struct PagedAttentionShape {
 // query_rows [T]: the block-table row of each query (nullptr: query t uses row t, decode);
 // context_lens [T]: positions query t attends to, its own included (causal: a prompt's
 // query at position p has p + 1), all already stored in the cache; out [T, H, D].
-// Queries [begin, end) only, so callers can split the batch across threads.
+// Work units [begin, end) only, unit u = (query u / num_kv_heads, KV head u % num_kv_heads)
+// with the query heads that share it, so callers can split the batch across threads; each
+// unit's result comes from one thread in a fixed order, whatever the split.
 void paged_attention(const PagedAttentionShape &shape, const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, const int32_t *query_rows, const int32_t *context_lens,
                      float scale, float *out, int begin, int end);

@@ -47,3 +47,36 @@ def test_long_contexts_match_sdpa_and_do_not_depend_on_threads():
     torch.testing.assert_close(one, expected, atol=2e-6, rtol=1e-5)
     assert torch.equal(kernel(q, k_cache, v_cache, md, threads=2), one)
     assert torch.equal(kernel(q, k_cache, v_cache, md, threads=5), one)
+
+
+def test_one_long_sequence_splits_over_kv_heads_without_changing_results():
+    """A single sequence is split by KV head across threads; every split gives the same bits."""
+    q, k_cache, v_cache, md = long_case([2257])
+    one = kernel(q, k_cache, v_cache, md, threads=1)
+    expected = A._gathered_decode_attention(q, k_cache, v_cache, md, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(one, expected, atol=2e-6, rtol=1e-5)
+    for threads in (2, 3, 4):
+        assert torch.equal(kernel(q, k_cache, v_cache, md, threads=threads), one)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of q [Lq, H, D] (the last Lq positions) over k/v [L, Hkv, D], in fp64."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.double().transpose(0, 1) for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    scores = qd @ kd.transpose(1, 2) * scale
+    q_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
+    scores.masked_fill_(torch.arange(k.shape[0])[None, :] > q_pos[:, None], float("-inf"))
+    return (scores.softmax(-1) @ vd).transpose(0, 1).float()
+
+
+def test_prefill_attention_matches_fp64_reference():
+    """The SDPA calls of long prefills (whole prompt, and a chunk over cached context), which
+    run SDPA's 4-D (flash) path on CPU, against fp64 causal attention with GQA."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(300, 9, 64, generator=g)
+    k, v = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    torch.testing.assert_close(A._causal_attention(q, k, v, 0.125), reference_attention(q, k, v, 0.125),
+                               atol=2e-6, rtol=1e-5)
+    chunk = q[-70:]
+    torch.testing.assert_close(A._attention_with_context(chunk, k, v, 0.125),
+                               reference_attention(chunk, k, v, 0.125), atol=2e-6, rtol=1e-5)
