@@ -164,11 +164,13 @@ class MLAttention(nn.Module):
 def _causal_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [L, H, Dk] at the last L of S positions, k [S, H, Dk], v [S, H, Dv] -> [L, H, Dv]."""
     qlen, slen = q.shape[0], k.shape[0]
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # [1, H, L, D]: with a batch dimension SDPA takes its flash kernel on CPU; 3-D inputs fall
+    # back to the math one, which builds the whole score matrix.
+    q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if qlen == slen:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         q_pos = torch.arange(slen - qlen, slen, device=q.device)
         mask = torch.arange(slen, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
