@@ -70,6 +70,15 @@ class _Layer:
     post_norm: np.ndarray
     eps: float
     attn: attention.Attention
+    cache_of: torch.Tensor | None = None  # the K cache tensor the views below were made of
+    caches: tuple = ()  # K, V as NumPy [blocks, block_size, Hkv, D] and [slots, Hkv, D] views
+
+    def kv_views(self) -> tuple:
+        if self.cache_of is not self.attn.k_cache:  # bound (again) since the views were made
+            k, v = self.attn.k_cache.numpy(), self.attn.v_cache.numpy()
+            self.caches, self.cache_of = (k, v, k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])), \
+                self.attn.k_cache
+        return self.caches
 
 
 class LlamaCpuDecode:
@@ -145,15 +154,17 @@ class LlamaCpuDecode:
         q, k, v = qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
         _C.rotary(q, cos, sin)
         _C.rotary(k, cos, sin)
-        k_cache, v_cache = layer.attn.k_cache.numpy(), layer.attn.v_cache.numpy()
-        k_cache.reshape(-1, self.num_kv_heads, self.head_dim)[slots] = k
-        v_cache.reshape(-1, self.num_kv_heads, self.head_dim)[slots] = v
+        k_cache, v_cache, k_slots, v_slots = layer.kv_views()
+        k_slots[slots] = k
+        v_slots[slots] = v
         out = np.empty((t, self.num_heads, self.head_dim), dtype=np.float32)
         _C.paged_attention(np.ascontiguousarray(q), k_cache, v_cache, block_tables, lens, out,
                            layer.attn.scale, threads, rows)
         return layer.o(out.reshape(t, self.q_size), threads)
 
     def _mlp(self, layer: _Layer, x: np.ndarray, threads: int) -> np.ndarray:
-        gate_up = torch.from_numpy(layer.gate_up(x, threads))
-        act = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+        gate_up, i = layer.gate_up(x, threads), self.intermediate
+        # Sliced in NumPy (a torch slice costs a few microseconds), then torch's own silu and
+        # product, as the module computes them.
+        act = torch.mul(F.silu(torch.from_numpy(gate_up[:, :i])), torch.from_numpy(gate_up[:, i:]))
         return layer.down(act.numpy(), threads)
