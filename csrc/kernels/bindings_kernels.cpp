@@ -207,6 +207,34 @@ py::array_t<int64_t> argmax_py(const F32 &x) {
   return out;
 }
 
+// Every row index and the mask's width are checked before the GIL is dropped: a bad call
+// raises instead of reading outside x or the bitmask.
+py::array_t<int64_t> masked_argmax_py(const F32 &x, const py::array_t<int64_t, py::array::c_style> &rows,
+                                      const I32 &bitmask) {
+  const char *op = "masked_argmax";
+  need(x.ndim() == 2 && x.shape(1) > 0, op, "want x [N, V] with V > 0");
+  need(rows.ndim() == 1 && bitmask.ndim() == 2, op, "want rows [M] and bitmask [M, W]");
+  const int N = dim(x, 0, op), V = dim(x, 1, op), M = dim(rows, 0, op), W = dim(bitmask, 1, op);
+  need(bitmask.shape(0) == M, op,
+       "bitmask has " + std::to_string(bitmask.shape(0)) + " rows for " + std::to_string(M) + " row indices");
+  need(static_cast<int64_t>(W) * 32 >= V, op,
+       "bitmask rows of " + std::to_string(W) + " words cover fewer than the " + std::to_string(V) + " logits");
+  std::vector<const int32_t *> masks(N, nullptr);
+  const int64_t *rp = rows.data();
+  const int32_t *bp = bitmask.data();
+  for (int i = 0; i < M; ++i) {
+    need(rp[i] >= 0 && rp[i] < N, op, "row index " + std::to_string(rp[i]) + " outside [0, " + std::to_string(N) + ")");
+    need(masks[rp[i]] == nullptr, op, "row index " + std::to_string(rp[i]) + " given twice");
+    masks[rp[i]] = bp + static_cast<size_t>(i) * W;
+  }
+  py::array_t<int64_t> out(N);
+  int64_t *outp = out.mutable_data();
+  const float *xp = x.data();
+  py::gil_scoped_release release;
+  masked_argmax_rows(xp, V, masks.data(), outp, 0, N);
+  return out;
+}
+
 }  // namespace
 
 void bind_kernels(py::module_ &m) {
@@ -219,6 +247,12 @@ void bind_kernels(py::module_ &m) {
         "inside a fused qkv output) with cos/sin [T, D].");
   m.def("argmax", &argmax_py, py::arg("x").noconvert(),
         "Row-wise argmax of x [N, V] float32 as int64 [N] (first index on ties, first NaN if any).");
+  m.def("masked_argmax", &masked_argmax_py, py::arg("x").noconvert(), py::arg("rows").noconvert(),
+        py::arg("bitmask").noconvert(),
+        "Row-wise argmax of x [N, V] float32 as int64 [N], where row rows[i] (int64 [M], distinct) only\n"
+        "considers the tokens allowed by bitmask[i] (int32 [M, W], W * 32 >= V; bit b of word w allows\n"
+        "token 32 * w + b, xgrammar's and llguidance's layout): the argmax of x with the others set to\n"
+        "-inf, ties and NaN as in argmax, without copying x. Other rows: plain argmax.");
   m.def("paged_attention", &paged_attention_py, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -60,6 +61,45 @@ __attribute__((target("avx2"))) bool argmax_avx2(const float *x, int v, int64_t 
   *out = ids[pick];
   return true;
 }
+
+// argmax_avx2 over y[i] = allowed(i) ? x[i] : -inf, with the lanes' "allowed" taken from the
+// bitmask 8 bits at a time; the same lane-wise first-index rule, so ties break identically.
+// The 8 values y[i, i + 8) (i a multiple of 8, so the 8 bits lie in one word).
+__attribute__((target("avx2"))) inline __m256 masked_load(const float *x, const int32_t *mask, int i) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const uint32_t bits = (static_cast<uint32_t>(mask[i / 32]) >> (i % 32)) & 0xFFu;
+  const __m256i on =
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(x + i), _mm256_castsi256_ps(on));
+}
+
+__attribute__((target("avx2"))) bool masked_argmax_avx2(const float *x, const int32_t *mask, int v,
+                                                         int64_t *out) {
+  if (v < 8 || v % 8) return false;
+  __m256 best = masked_load(x, mask, 0);
+  __m256i best_i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i idx = best_i;
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  for (int i = 8; i < v; i += 8) {
+    idx = _mm256_add_epi32(idx, eight);
+    const __m256 val = masked_load(x, mask, i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
+    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, val, gt);
+    best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
+  }
+  if (_mm256_movemask_ps(nan)) return false;
+  alignas(32) float vals[8];
+  alignas(32) int32_t ids[8];
+  _mm256_store_ps(vals, best);
+  _mm256_store_si256(reinterpret_cast<__m256i *>(ids), best_i);
+  int pick = 0;
+  for (int l = 1; l < 8; ++l)
+    if (vals[l] > vals[pick] || (vals[l] == vals[pick] && ids[l] < ids[pick])) pick = l;
+  *out = ids[pick];
+  return true;
+}
 #endif
 
 float sum_of_squares(const float *x, int h) {
@@ -81,6 +121,21 @@ int64_t argmax_scalar(const float *x, int v) {
   for (int i = 0; i < v; ++i) {
     if (std::isnan(x[i])) return i;
     if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+bool allowed(const int32_t *mask, int i) { return (static_cast<uint32_t>(mask[i / 32]) >> (i % 32)) & 1u; }
+
+// argmax_scalar over y[i] = allowed(i) ? x[i] : -inf (what masking the logits to -inf and
+// then taking torch.argmax gives: the first NaN among allowed tokens, else the first maximum).
+int64_t masked_argmax_scalar(const float *x, const int32_t *mask, int v) {
+  int64_t best = 0;
+  float best_val = allowed(mask, 0) ? x[0] : -INFINITY;
+  for (int i = 0; i < v; ++i) {
+    const float y = allowed(mask, i) ? x[i] : -INFINITY;
+    if (std::isnan(y)) return i;
+    if (y > best_val) best = i, best_val = y;
   }
   return best;
 }
@@ -124,6 +179,25 @@ void argmax_rows(const float *x, int v, int64_t *out, int begin, int end) {
     if (cpu_has_avx2() && argmax_avx2(row, v, out + t)) continue;
 #endif
     out[t] = argmax_scalar(row, v);
+  }
+}
+
+}  // namespace deepinfer
+
+namespace deepinfer {
+
+void masked_argmax_rows(const float *x, int v, const int32_t *const *masks, int64_t *out, int begin, int end) {
+  for (int t = begin; t < end; ++t) {
+    const int32_t *mask = masks[t];
+    if (mask == nullptr) {
+      argmax_rows(x, v, out, t, t + 1);
+      continue;
+    }
+    const float *row = x + static_cast<size_t>(t) * v;
+#ifdef DEEPINFER_HAVE_AVX2
+    if (cpu_has_avx2() && masked_argmax_avx2(row, mask, v, out + t)) continue;
+#endif
+    out[t] = masked_argmax_scalar(row, mask, v);
   }
 }
 

@@ -26,4 +26,10 @@ void rotary_rows(float *x, int64_t row_stride, int heads, int d, const float *co
 // NaN gives its first NaN, as torch.argmax does).
 void argmax_rows(const float *x, int v, int64_t *out, int begin, int end);
 
+// argmax_rows where masks[t] is set: only the tokens whose bit is 1 in that row's bitmask
+// (int32 words, bit i of word j = token 32 * j + i allowed, at least ceil(v / 32) words) take
+// part, with the result of setting the others to -inf first, ties and NaN included. Rows
+// with masks[t] == nullptr are plain argmax_rows. Greedy structured output, without a copy.
+void masked_argmax_rows(const float *x, int v, const int32_t *const *masks, int64_t *out, int begin, int end);
+
 }  // namespace deepinfer

@@ -6,7 +6,9 @@ output, constrained rows only) -> min-tokens mask -> logit bias -> penalties -> 
 temperature -> top-k/top-p -> min-p -> exponential race); logprobs always describe the raw logits.
 
 The all-greedy batch is the benchmark's hot path: `build` detects it with one
-pass over the params and the sampler does a single argmax.
+pass over the params and the sampler does a single argmax. A greedy batch with grammar masks
+stays on it: on CPU the C++ masked argmax skips each constrained row's forbidden tokens in
+place (no copy of the logits), with the ties of masking to -inf and then taking argmax.
 """
 
 from collections.abc import Sequence
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_dp import _C
 from deepinfer_dp.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,7 +41,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 @dataclass
 class SamplingBatch:
     num_rows: int
-    # True when every row is plain greedy: one argmax and nothing else.
+    # True when every row is plain greedy: one argmax (under the grammar masks) and nothing else.
     fast_greedy: bool = False
     all_greedy: bool = False
     all_random: bool = False
@@ -105,9 +108,8 @@ class SamplingBatch:
         return batch
 
     def with_grammar(self, mask: "GrammarMask | None") -> "SamplingBatch":
-        """Adds the step's grammar mask; a masked batch is never the one-argmax fast path."""
-        if mask is not None:
-            self.grammar, self.fast_greedy = mask, False
+        """Adds the step's grammar mask (a plain greedy batch stays one masked argmax)."""
+        self.grammar = mask
         return self
 
     def with_drafts(self, draft: "DraftRows | None") -> "SamplingBatch":
@@ -232,7 +234,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` (fp32 [N, vocab]); `logits` is not modified."""
         if batch.fast_greedy:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(token_ids=greedy_token_ids(logits, batch.grammar))
         raw = logits
         logits = logits.clone()  # everything below works in place
         if batch.grammar is not None:
@@ -289,6 +291,19 @@ class Sampler:
             top = logprobs.topk(batch.max_num_logprobs, dim=-1)
             out.top_logprobs, out.top_logprob_ids = top.values, top.indices
         return out
+
+
+def greedy_token_ids(logits: torch.Tensor, grammar: "GrammarMask | None" = None) -> torch.Tensor:
+    """Each row's argmax (first index on ties); the grammar's rows only among the tokens their
+    bitmask allows. CPU float32 logits go to the C++ kernels, which read them in place."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        if grammar is None:
+            return torch.from_numpy(_C.argmax(logits.numpy()))
+        return torch.from_numpy(_C.masked_argmax(logits.numpy(), grammar.rows.numpy(), grammar.bitmask.numpy()))
+    if grammar is not None:
+        logits = logits.clone()
+        grammar.apply(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

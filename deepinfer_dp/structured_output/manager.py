@@ -8,7 +8,9 @@ Lifecycle of a constrained request (the engine's side is in engine/llm_engine.py
   2. take_ready(): at the start of a step, finished builds come back: the request enters the
      scheduler with its own matcher, or, if the build failed, it is finished with the error.
   3. bitmask(): before sampling, one bitmask row per constrained row of the step, filled in
-     parallel; unconstrained rows have no row and pay nothing.
+     parallel; unconstrained rows have no row and pay nothing. Rows whose matchers are in the
+     same state (the same grammar and the same consumed tokens: a mask depends on nothing
+     else) are filled once and copied, e.g. requests with one schema inside its fixed prefix.
   4. accept(): after sampling, each token the C++ sequence appended advances its matcher.
 
 Why the matcher is always current when a mask is filled, ZOS included: the worker samples
@@ -67,7 +69,8 @@ class StructuredOutputManager:
         self._cache_lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._matchers: dict[str, Any] = {}  # request id -> its LLMatcher
-        self._accepted: dict[str, int] = {}  # request id -> tokens its matcher has consumed
+        self._consumed: dict[str, list[int]] = {}  # request id -> the tokens its matcher consumed
+        self._digest: dict[str, int] = {}  # request id -> a hash of those tokens (finds equal states)
         self._pristine: dict[str, Any] = {}  # request id -> the cached matcher it was copied from
         self.stats = StructuredOutputStats()
 
@@ -125,7 +128,7 @@ class StructuredOutputManager:
             if error is None:
                 self._pristine[rid] = p.future.result()
                 self._matchers[rid] = self._pristine[rid].deep_copy()
-                self._accepted[rid] = 0
+                self._consumed[rid], self._digest[rid] = [], 0
                 self.stats.observe_wait(time.perf_counter() - p.submitted)
             else:
                 self.stats.build_failures += 1
@@ -146,10 +149,31 @@ class StructuredOutputManager:
         if not rows:
             return None
         start = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(len(rows))
-        self.backend.fill([self._matchers[request_ids[i]] for i in rows], bitmask)
+        distinct, source = self._distinct_states([request_ids[i] for i in rows])
+        bitmask = self.backend.allocate_bitmask(len(distinct))
+        self.backend.fill([self._matchers[rid] for rid in distinct], bitmask)
+        if len(distinct) < len(rows):
+            bitmask = bitmask.index_select(0, torch.tensor(source, dtype=torch.int64))
         self.stats.observe_mask(time.perf_counter() - start, len(rows))
         return GrammarMask(torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device))
+
+    def _distinct_states(self, rids: list[str]) -> tuple[list[str], list[int]]:
+        """One request per distinct matcher state, and for each of `rids` the index of its
+        state in that list. Equal digests are confirmed on the tokens themselves."""
+        distinct: list[str] = []
+        by_key: dict[tuple[int, int, int], list[int]] = {}
+        source = []
+        for rid in rids:
+            tokens = self._consumed[rid]
+            key = (id(self._pristine[rid]), len(tokens), self._digest[rid])
+            candidates = by_key.setdefault(key, [])
+            same = next((k for k in candidates if self._consumed[distinct[k]] == tokens), None)
+            if same is None:
+                same = len(distinct)
+                distinct.append(rid)
+                candidates.append(same)
+            source.append(same)
+        return distinct, source
 
     def tracks(self, request_id: str) -> bool:
         """True for a constrained request that runs (its grammar built)."""
@@ -162,18 +186,24 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return
-        if self._accepted[request_id] + len(token_ids) != output_len:  # out of step: rebuild it
+        consumed = self._consumed[request_id]
+        if len(consumed) + len(token_ids) != output_len:  # out of step: rebuild it
             matcher = self._matchers[request_id] = self._pristine[request_id].deep_copy()
-            token_ids, self._accepted[request_id] = output_tokens(), 0
+            token_ids, consumed = output_tokens(), []
+            self._consumed[request_id], self._digest[request_id] = consumed, 0
             self.stats.matcher_rebuilds += 1
+        digest = self._digest[request_id]
         for t in token_ids:
             if not matcher.consume_token(t):
                 raise ValueError(f"structured output: the grammar refused token {t}: {matcher.get_error()}")
-        self._accepted[request_id] += len(token_ids)
+            consumed.append(t)
+            digest = hash((digest, t))
+        self._digest[request_id] = digest
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
-        self._accepted.pop(request_id, None)
+        self._consumed.pop(request_id, None)
+        self._digest.pop(request_id, None)
         self._pristine.pop(request_id, None)
         self._pending.pop(request_id, None)
 

@@ -24,7 +24,7 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.engine.prompt_logprobs import PromptLogprobsSpec
-from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch, greedy_token_ids
 from deepinfer_dp.worker.model_runner import ModelInput, ModelRunner
 
 
@@ -156,9 +156,7 @@ class Worker:
         if logits is None:
             return None
         if batch is None:  # every row greedy and plain: the hot path
-            if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-                return SamplerOutput(token_ids=torch.from_numpy(_C.argmax(logits.numpy())), logprobs=None)
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(token_ids=greedy_token_ids(logits), logprobs=None)
         return self.sampler(logits, batch)
 
     def _stage_to_host(self, state: StepState) -> None:
