@@ -89,15 +89,29 @@ def ttft(llm: LLM, prompts: list[str], sync: bool, tag: int) -> tuple[float, flo
     return first, gap
 
 
+KINDS = ["famous", "small", "old", "popular", "red", "rare", "modern", "ancient"]
+THINGS = ["fruits", "cities", "rivers", "birds", "tools", "books", "songs", "games"]
+
+
+def question(style: str, i: int) -> str:
+    if style == "same":
+        return f"List {i + 3} fruits as JSON."
+    return f"List {i % 5 + 3} {KINDS[i // 8 % 8]} {THINGS[i % 8]} as JSON."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompts", choices=["varied", "same"], default="varied",
+                    help="varied: every request asks about its own topic, so the grammar states (and "
+                         "masks) differ from row to row; same: one question with a different count, where "
+                         "greedy outputs share states and the manager fills each shared mask once")
     args = ap.parse_args()
     llm = LLM(max_model_len=1024, max_num_seqs=max(args.requests, 17))
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"List {i + 3} fruits as JSON."}],
+    prompts = [tok.apply_chat_template([{"role": "user", "content": question(args.prompts, i)}],
                                        tokenize=False, add_generation_prompt=True) for i in range(args.requests)]
     throughput(llm, prompts[:4], 2, 4)  # warm-up: the grammar tokenizer, the schema's cache entry
     runs = {"unconstrained": 0, "half JSON": args.requests // 2, "all JSON": args.requests}
@@ -106,7 +120,8 @@ def main() -> None:
         for name, constrained in runs.items():
             results[name].append(throughput(llm, prompts, constrained, args.max_tokens))
     base = statistics.median(results["unconstrained"])
-    print(f"throughput, {args.requests} requests x {args.max_tokens} tokens (median of {args.rounds} rounds):")
+    print(f"throughput, {args.requests} requests x {args.max_tokens} tokens, {args.prompts} prompts "
+          f"(median of {args.rounds} rounds):")
     for name, values in results.items():
         med = statistics.median(values)
         print(f"  {name:14} {med:8.1f} tok/s  ({med / base:.1%} of unconstrained)  rounds: "
