@@ -70,7 +70,8 @@ void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format,
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
   const int parts = parts_for(w, num_threads, N);
-  const int step = ((N + parts - 1) / parts + 2) / 3 * 3;  // whole groups of 3 rows
+  // Whole groups of 12 rows: the kernels' groups of 4 (one input row) and 12 (several).
+  const int step = ((N + parts - 1) / parts + 11) / 12 * 12;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int begin = std::min(N, p * step), end = std::min(N, begin + step);
     if (begin < end) packed_linear_columns(xp, w, bp, yp, M, begin, end);

@@ -106,6 +106,33 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const float *x, const floa
     rows_against_inputs<1>(w + static_cast<size_t>(n) * K, x, bias ? bias + n : nullptr, y + n, M, N, K, nullptr);
 }
 
+// Weight rows already in L1 (the packed kernels' freshly widened rows): each group of 4 input
+// rows is used against all of them before moving on, so the inputs stream from L2 once per
+// call instead of once per 3 rows; nothing to prefetch. Same tiles, so the same floats.
+__attribute__((target("avx2,fma"))) void cached_rows_avx2(const float *x, const float *w, const float *bias,
+                                                          float *y, int M, int N, int K, int n0, int n1) {
+  const Prefetch none{nullptr, 0, 1};
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    const float *xm = x + static_cast<size_t>(m) * K;
+    float *ym = y + static_cast<size_t>(m) * N;
+    int n = n0;
+    for (; n + 3 <= n1; n += 3) tile<3, 4>(w + static_cast<size_t>(n) * K, xm, bias ? bias + n : nullptr, ym + n, N, K, none);
+    for (; n < n1; ++n) tile<1, 4>(w + static_cast<size_t>(n) * K, xm, bias ? bias + n : nullptr, ym + n, N, K, none);
+  }
+  if (m == M) return;
+  const float *xm = x + static_cast<size_t>(m) * K;
+  float *ym = y + static_cast<size_t>(m) * N;
+  for (int n = n0; n < n1; ++n) {
+    const float *wn = w + static_cast<size_t>(n) * K, *bn = bias ? bias + n : nullptr;
+    switch (M - m) {
+      case 3: tile<1, 3>(wn, xm, bn, ym + n, N, K, none); break;
+      case 2: tile<1, 2>(wn, xm, bn, ym + n, N, K, none); break;
+      default: tile<1, 1>(wn, xm, bn, ym + n, N, K, none); break;
+    }
+  }
+}
+
 bool use_avx2(int K) {
   static const bool cpu_has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return cpu_has && K % 8 == 0;
@@ -118,6 +145,14 @@ void linear_columns(const float *x, const float *w, const float *bias, float *y,
                     int n_end) {
 #ifdef DEEPINFER_HAVE_AVX2
   if (use_avx2(K)) return columns_avx2(x, w, bias, y, M, N, K, n_begin, n_end);
+#endif
+  columns_scalar(x, w, bias, y, M, N, K, n_begin, n_end);
+}
+
+void linear_cached_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                        int n_begin, int n_end) {
+#ifdef DEEPINFER_HAVE_AVX2
+  if (use_avx2(K)) return cached_rows_avx2(x, w, bias, y, M, N, K, n_begin, n_end);
 #endif
   columns_scalar(x, w, bias, y, M, N, K, n_begin, n_end);
 }

@@ -16,4 +16,9 @@ namespace deepinfer {
 void linear_columns(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n_begin,
                     int n_end);
 
+// linear_columns for weight rows already in cache (a few just widened into a buffer): the
+// input rows are walked once per call, not once per tile of weight rows. Same floats.
+void linear_cached_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                        int n_begin, int n_end);
+
 }  // namespace deepinfer
