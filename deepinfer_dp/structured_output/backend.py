@@ -23,7 +23,6 @@ import threading
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
@@ -99,22 +98,32 @@ class GrammarBackend:
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A pristine matcher for `params` (to be deep-copied per request); ValueError if the
         grammar does not compile against this tokenizer."""
+        _torch_ops()  # here, on the build pool, rather than on the step loop at the first mask
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(params))
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
         return matcher
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+        return _torch_ops().allocate_token_bitmask(rows, self.vocab_size)
 
     def fill(self, matchers: list[llguidance.LLMatcher], bitmask: torch.Tensor) -> None:
         """Row i of `bitmask` := the tokens matchers[i] allows next."""
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
-                                                     bitmask)
+        _torch_ops().fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
+                                                 bitmask)
+
+
+def _torch_ops():
+    """llguidance's torch helpers, imported on first use: the import pulls in torch._dynamo
+    (about 3.5 s here), which an engine that never sees a constrained request should not pay
+    at start-up. The first grammar build imports it on the build pool, off the step loop."""
+    import llguidance.torch
+
+    return llguidance.torch
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets to -inf, in place, each logit of logits[rows[i]] that bitmask[i] forbids."""
     sub = logits.index_select(0, rows)
-    llguidance.torch.apply_token_bitmask_inplace(sub, bitmask)
+    _torch_ops().apply_token_bitmask_inplace(sub, bitmask)
     logits.index_copy_(0, rows, sub)
