@@ -34,38 +34,10 @@ __attribute__((target("avx2"))) float sum_of_squares_avx2(const float *x, int h)
   return s;
 }
 
-// Per-lane running maximum and its index; NaN rows are left to the scalar loop.
-__attribute__((target("avx2"))) bool argmax_avx2(const float *x, int v, int64_t *out) {
-  if (v < 8 || v % 8) return false;
-  __m256 best = _mm256_loadu_ps(x);
-  __m256i best_i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256i idx = best_i;
-  const __m256i eight = _mm256_set1_epi32(8);
-  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
-  for (int i = 8; i < v; i += 8) {
-    idx = _mm256_add_epi32(idx, eight);
-    const __m256 val = _mm256_loadu_ps(x + i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
-    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);  // strictly greater: first index wins per lane
-    best = _mm256_blendv_ps(best, val, gt);
-    best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
-  }
-  if (_mm256_movemask_ps(nan)) return false;
-  alignas(32) float vals[8];
-  alignas(32) int32_t ids[8];
-  _mm256_store_ps(vals, best);
-  _mm256_store_si256(reinterpret_cast<__m256i *>(ids), best_i);
-  int pick = 0;
-  for (int l = 1; l < 8; ++l)
-    if (vals[l] > vals[pick] || (vals[l] == vals[pick] && ids[l] < ids[pick])) pick = l;
-  *out = ids[pick];
-  return true;
-}
-
-// argmax_avx2 over y[i] = allowed(i) ? x[i] : -inf, with the lanes' "allowed" taken from the
-// bitmask 8 bits at a time; the same lane-wise first-index rule, so ties break identically.
-// The 8 values y[i, i + 8) (i a multiple of 8, so the 8 bits lie in one word).
-__attribute__((target("avx2"))) inline __m256 masked_load(const float *x, const int32_t *mask, int i) {
+// The 8 values y[i, i + 8) (i a multiple of 8, so the 8 bits lie in one word), where
+// y = x when there is no mask, else y[j] = allowed(j) ? x[j] : -inf by the token bitmask.
+__attribute__((target("avx2"))) inline __m256 lanes_at(const float *x, const int32_t *mask, int i) {
+  if (!mask) return _mm256_loadu_ps(x + i);
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const uint32_t bits = (static_cast<uint32_t>(mask[i / 32]) >> (i % 32)) & 0xFFu;
   const __m256i on =
@@ -73,19 +45,21 @@ __attribute__((target("avx2"))) inline __m256 masked_load(const float *x, const 
   return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(x + i), _mm256_castsi256_ps(on));
 }
 
-__attribute__((target("avx2"))) bool masked_argmax_avx2(const float *x, const int32_t *mask, int v,
-                                                         int64_t *out) {
+// Per-lane running maximum of y (above) and its index, then the lanes' first index among the
+// largest; rows holding a NaN are left to the scalar loop. One path for plain and masked rows,
+// so ties break identically.
+__attribute__((target("avx2"))) bool argmax_avx2(const float *x, const int32_t *mask, int v, int64_t *out) {
   if (v < 8 || v % 8) return false;
-  __m256 best = masked_load(x, mask, 0);
+  __m256 best = lanes_at(x, mask, 0);
   __m256i best_i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256i idx = best_i;
   const __m256i eight = _mm256_set1_epi32(8);
   __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
   for (int i = 8; i < v; i += 8) {
     idx = _mm256_add_epi32(idx, eight);
-    const __m256 val = masked_load(x, mask, i);
+    const __m256 val = lanes_at(x, mask, i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
-    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);
+    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);  // strictly greater: first index wins per lane
     best = _mm256_blendv_ps(best, val, gt);
     best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
   }
@@ -176,7 +150,7 @@ void argmax_rows(const float *x, int v, int64_t *out, int begin, int end) {
   for (int t = begin; t < end; ++t) {
     const float *row = x + static_cast<size_t>(t) * v;
 #ifdef DEEPINFER_HAVE_AVX2
-    if (cpu_has_avx2() && argmax_avx2(row, v, out + t)) continue;
+    if (cpu_has_avx2() && argmax_avx2(row, nullptr, v, out + t)) continue;
 #endif
     out[t] = argmax_scalar(row, v);
   }
@@ -195,7 +169,7 @@ void masked_argmax_rows(const float *x, int v, const int32_t *const *masks, int6
     }
     const float *row = x + static_cast<size_t>(t) * v;
 #ifdef DEEPINFER_HAVE_AVX2
-    if (cpu_has_avx2() && masked_argmax_avx2(row, mask, v, out + t)) continue;
+    if (cpu_has_avx2() && argmax_avx2(row, mask, v, out + t)) continue;
 #endif
     out[t] = masked_argmax_scalar(row, mask, v);
   }
