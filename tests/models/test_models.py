@@ -6,7 +6,6 @@ chunked prefill against one-shot prefill, the placeholder step, and greedy gener
 """
 
 import os
-import random
 import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from model_utils import TINY_MODEL_KINDS, build_metadata, build_tiny_model, step_positions  # noqa: E402
+from moe_utils import PagedSequences, assert_close, check_batched_decode, oracle_logits, random_prompts  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config  # noqa: E402
 
@@ -25,44 +25,10 @@ from deepinfer_dp.models import (  # noqa: E402
     load_model,
 )
 
-ATOL = 1e-3
 BLOCK_SIZE = 4  # small, so sequences span many (shuffled) blocks
 MODEL_NAMES = [*TINY_MODEL_KINDS, "smollm2"]
 # The costlier SmolLM2 checks (many steps on a 135M model) run only with the slow tests.
 SLOW_SMOLLM2 = [*TINY_MODEL_KINDS, pytest.param("smollm2", marks=pytest.mark.slow)]
-
-
-class PagedSequences:
-    """A KV cache plus block tables for a few sequences, blocks handed out in random order."""
-
-    def __init__(self, loaded: LoadedModel, num_blocks: int = 256, seed: int = 0):
-        self.model = loaded.model
-        self.kv_cache = allocate_kv_cache(loaded.hf_config, num_blocks, BLOCK_SIZE,
-                                          torch.float32, torch.device("cpu"))
-        self.free = list(range(1, num_blocks))  # block 0 is the reserved dummy block
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-
-    def step(self, new_tokens: dict[int, list[int]], is_prefill: bool) -> list[torch.Tensor]:
-        """Runs one forward over the new tokens of each sequence; logits per sequence."""
-        seq_ids = list(new_tokens)
-        query_lens = [len(new_tokens[s]) for s in seq_ids]
-        seq_lens = []
-        for s, qlen in zip(seq_ids, query_lens, strict=True):
-            self.lens[s] = self.lens.get(s, 0) + qlen
-            table = self.tables.setdefault(s, [])
-            while len(table) * BLOCK_SIZE < self.lens[s]:
-                table.append(self.free.pop())
-            seq_lens.append(self.lens[s])
-        md = build_metadata(query_lens, seq_lens, [self.tables[s] for s in seq_ids],
-                            BLOCK_SIZE, is_prefill)
-        input_ids = torch.tensor([t for s in seq_ids for t in new_tokens[s]], dtype=torch.int64)
-        self.model.bind_kv_cache(self.kv_cache)  # several of these may share one model
-        with torch.inference_mode():
-            hidden = self.model(input_ids, step_positions(query_lens, seq_lens), md)
-            logits = self.model.compute_logits(hidden)
-        return list(logits.split(query_lens))
 
 
 @pytest.fixture(scope="module")
@@ -83,22 +49,6 @@ def models(request, tiny_root):
     return loaded, oracle
 
 
-def oracle_logits(oracle, tokens: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return oracle(torch.tensor([tokens])).logits[0].float()
-
-
-def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
-
-
-def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    diff = (ours - ref).abs().max().item()
-    assert diff < ATOL, f"max |logit difference| {diff:.2e} >= {ATOL}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)), "greedy tokens differ"
-
-
 def test_prefill_matches_transformers(models):
     loaded, oracle = models
     prompts = random_prompts(loaded.hf_config.vocab_size, [1, 7, 33, 100])
@@ -108,16 +58,7 @@ def test_prefill_matches_transformers(models):
 
 
 def test_batched_decode_matches_transformers(models):
-    loaded, oracle = models
-    prompts = random_prompts(loaded.hf_config.vocab_size, [3, 17, 40], seed=1)
-    forced = random_prompts(loaded.hf_config.vocab_size, [6, 6, 6], seed=2)
-    seqs = PagedSequences(loaded, seed=3)
-    seqs.step(dict(enumerate(prompts)), is_prefill=True)
-    refs = [oracle_logits(oracle, p + f) for p, f in zip(prompts, forced, strict=True)]
-    for step in range(6):
-        logits = seqs.step({i: [forced[i][step]] for i in range(3)}, is_prefill=False)
-        for i, ours in enumerate(logits):
-            assert_close(ours[0], refs[i][len(prompts[i]) + step])
+    check_batched_decode(*models)
 
 
 @pytest.mark.parametrize("models", SLOW_SMOLLM2, indirect=True)
