@@ -24,11 +24,6 @@ namespace {
 using F32 = py::array_t<float, py::array::c_style>;
 using I32 = py::array_t<int32_t, py::array::c_style>;
 
-// With the pool's workers awake, splitting pays from a few hundred cached positions: at 8
-// sequences of ~150 positions (SmolLM2, 2 cores) two threads took 4 ms a step against 6.
-constexpr int64_t kMinPositionsPerThread = 128;
-constexpr int32_t kMaxContext = 1 << 24;  // positions one query may attend to
-
 // Every check raises ValueError("<op>: <what was wrong>").
 void need(bool ok, const char *op, const std::string &what) {
   if (!ok) throw py::value_error(std::string(op) + ": " + what);
@@ -70,47 +65,6 @@ PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_
   return s;
 }
 
-// Every query's context must lie in blocks of the cache: the longest context of each row
-// is checked against that row's block ids.
-void check_contexts(const PagedAttentionShape &s, const int32_t *block_tables, const int32_t *rows,
-                    const int32_t *lens) {
-  std::vector<int> longest(s.num_rows, 0);
-  for (int i = 0; i < s.num_queries; ++i) {
-    int r = rows ? rows[i] : i;
-    require(r >= 0 && r < s.num_rows, "query row outside the block table");
-    require(lens[i] >= 1 && lens[i] <= static_cast<int64_t>(s.max_blocks) * s.block_size,
-            "context length out of range for its block table");
-    // The kernel keeps one score per position on each thread; past this it would run out of
-    // memory on a worker thread, where an exception cannot be turned into a Python error.
-    require(lens[i] <= kMaxContext, "context length above " + std::to_string(kMaxContext));
-    longest[r] = std::max(longest[r], lens[i]);
-  }
-  for (int r = 0; r < s.num_rows; ++r)
-    for (int64_t b = 0; b < (static_cast<int64_t>(longest[r]) + s.block_size - 1) / s.block_size; ++b) {
-      int id = block_tables[static_cast<size_t>(r) * s.max_blocks + b];
-      require(id >= 0 && id < s.num_blocks, "block id outside the cache");
-    }
-}
-
-// Cuts the n * per_query work units (query u / per_query) into up to `parts` ranges
-// [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its query's
-// context), so the threads finish together; one range when the batch is too small to pay
-// for waking a worker. Units rather than queries, so that even one long sequence (its KV
-// heads) keeps several threads busy.
-std::vector<int> split_by_length(const int32_t *lens, int n, int per_query, int parts) {
-  int64_t total = 0, seen = 0;
-  for (int i = 0; i < n; ++i) total += static_cast<int64_t>(lens[i]) * per_query;
-  if (total < kMinPositionsPerThread * per_query * parts) parts = 1;  // positions, not units
-  const int units = n * per_query;
-  std::vector<int> cuts{0};
-  for (int u = 0; u < units && static_cast<int>(cuts.size()) < parts; ++u) {
-    seen += lens[u / per_query];
-    if (seen * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(u + 1);
-  }
-  cuts.push_back(units);
-  return cuts;
-}
-
 void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
                         const I32 &context_lens, F32 &out, float scale, int num_threads,
                         const std::optional<I32> &query_rows) {
@@ -128,19 +82,14 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
   const std::vector<int32_t> table_ids(block_tables.data(), block_tables.data() + block_tables.size());
   const std::vector<int32_t> context(context_lens.data(), context_lens.data() + s.num_queries);
   const int32_t *rows = query_rows ? row_ids.data() : nullptr, *tables = table_ids.data(), *lens = context.data();
-  check_contexts(s, tables, rows, lens);
+  const std::string error = paged_context_error(s, tables, rows, lens);
+  require(error.empty(), error);
+  require(static_cast<int64_t>(s.num_queries) * s.num_kv_heads <= INT_MAX, "too many queries x KV heads");
   float *dst = out.mutable_data();
   const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  require(static_cast<int64_t>(s.num_queries) * s.num_kv_heads <= INT_MAX, "too many queries x KV heads");
-  std::vector<int> cuts = split_by_length(lens, s.num_queries, s.num_kv_heads, num_threads);
-  shared_pool(num_threads).run(static_cast<int>(cuts.size()) - 1, num_threads, [&](int c) {
-    paged_attention(s, qp, kp, vp, tables, rows, lens, scale, dst, cuts[c], cuts[c + 1]);
-  });
+  paged_attention_threaded(s, qp, kp, vp, tables, rows, lens, scale, dst, num_threads);
 }
-
-// Weights per thread below which splitting a matrix product is not worth waking a worker.
-constexpr int64_t kMinWeightsPerThread = 1 << 16;
 
 void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
   auto check = [](bool ok, const std::string &what) { need(ok, "linear", what); };
@@ -155,14 +104,7 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
   const float *xp = x.data(), *wp = weight.data(), *bp = bias ? bias->data() : nullptr;
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
-  const int64_t weights = static_cast<int64_t>(N) * K;
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, weights / kMinWeightsPerThread)));
-  // Column ranges in multiples of 3, the kernel's tile height.
-  const int step = ((N + parts - 1) / parts + 2) / 3 * 3;
-  shared_pool(parts).run(parts, parts, [&](int p) {
-    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
-    if (begin < end) linear_columns(xp, wp, bp, yp, M, N, K, begin, end);
-  });
+  linear_threaded(xp, wp, bp, yp, M, N, K, num_threads);
 }
 
 void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out) {
@@ -178,6 +120,19 @@ void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, 
   float *op = out.mutable_data();
   py::gil_scoped_release release;
   rms_norm_rows(xp, rp, wp, eps, op, H, 0, T);
+}
+
+void silu_mul_py(const F32 &gate_up, F32 &out) {
+  need(gate_up.ndim() == 2 && out.ndim() == 2, "silu_mul", "want gate_up [T, 2I], out [T, I]");
+  const int T = dim(gate_up, 0, "silu_mul"), I = dim(out, 1, "silu_mul");
+  need(gate_up.shape(1) == 2 * static_cast<int64_t>(I) && out.shape(0) == T, "silu_mul",
+       "gate_up must be [T, 2I] for out [T, I]");
+  need(out.writeable(), "silu_mul", "out must be writable");
+  const float *g = gate_up.data();
+  float *o = out.mutable_data();
+  py::gil_scoped_release release;
+  for (int t = 0; t < T; ++t)
+    silu_mul(g + static_cast<size_t>(t) * 2 * I, g + static_cast<size_t>(t) * 2 * I + I, o + static_cast<size_t>(t) * I, I);
 }
 
 void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
@@ -242,6 +197,9 @@ void bind_kernels(py::module_ &m) {
         py::arg("eps"), py::arg("out").noconvert(),
         "out = RMSNorm(x) * weight over rows of x [T, H] float32; with residual [T, H], x += residual first\n"
         "(in place: the decoder's residual stream), then the norm of the sum.");
+  m.def("silu_mul", &silu_mul_py, py::arg("gate_up").noconvert(), py::arg("out").noconvert(),
+        "out[t] = silu(gate_up[t, :I]) * gate_up[t, I:] over gate_up [T, 2I] float32 (e^x by Cephes'\n"
+        "polynomial, the same for every element): the Llama MLP's activation on CPU.");
   m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
         "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"
         "inside a fused qkv output) with cos/sin [T, D].");

@@ -22,19 +22,13 @@ using F32 = py::array_t<float, py::array::c_style>;
 using U8 = py::array_t<uint8_t, py::array::c_style>;
 using I64 = py::array_t<int64_t, py::array::c_style>;
 
-// Packed bytes per thread below which splitting is not worth waking a worker (about what
-// the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
-constexpr int64_t kMinBytesPerThread = 1 << 15;
-
 void need(bool ok, const char *op, const std::string &what) {
   if (!ok) throw py::value_error(std::string(op) + ": " + what);
 }
 
 WeightFormat parse_format(const std::string &name, const char *op) {
-  if (name == "bf16") return WeightFormat::kBF16;
-  if (name == "q4_0") return WeightFormat::kQ4_0;
-  if (name == "q4_1") return WeightFormat::kQ4_1;
-  if (name == "q8_0") return WeightFormat::kQ8_0;
+  WeightFormat f;
+  if (packed_format_named(name, &f)) return f;
   throw py::value_error(std::string(op) + ": unknown weight format '" + name + "' (bf16, q4_0, q4_1, q8_0)");
 }
 
@@ -48,11 +42,6 @@ PackedMatrix matrix(const U8 &weight, const std::string &format, int cols, const
        "weight rows hold " + std::to_string(weight.shape(1)) + " bytes, " + format + " x " + std::to_string(cols) +
            " needs " + std::to_string(row_bytes));
   return PackedMatrix{weight.data(), static_cast<int>(weight.shape(0)), cols, row_bytes, f};
-}
-
-int parts_for(const PackedMatrix &w, int num_threads, int rows) {
-  const int64_t bytes = static_cast<int64_t>(rows) * static_cast<int64_t>(w.row_bytes);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, bytes / kMinBytesPerThread)));
 }
 
 void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format, int cols,
@@ -69,13 +58,7 @@ void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format,
   const float *xp = x.data(), *bp = bias ? bias->data() : nullptr;
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
-  const int parts = parts_for(w, num_threads, N);
-  // Whole groups of 12 rows: the kernels' groups of 4 (one input row) and 12 (several).
-  const int step = ((N + parts - 1) / parts + 11) / 12 * 12;
-  shared_pool(parts).run(parts, parts, [&](int p) {
-    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
-    if (begin < end) packed_linear_columns(xp, w, bp, yp, M, begin, end);
-  });
+  packed_linear_threaded(xp, w, bp, yp, M, num_threads);
 }
 
 void packed_widen_py(const U8 &weight, const std::string &format, int cols, int begin, int end, F32 &out,
@@ -88,7 +71,7 @@ void packed_widen_py(const U8 &weight, const std::string &format, int cols, int 
   need(num_threads >= 1, op, "num_threads must be >= 1");
   float *op_ = out.mutable_data();
   py::gil_scoped_release release;
-  const int rows = end - begin, parts = std::min(parts_for(w, num_threads, rows), std::max(rows, 1));
+  const int rows = end - begin, parts = std::min(packed_thread_parts(w, rows, num_threads), std::max(rows, 1));
   const int step = (rows + parts - 1) / parts;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int b = begin + std::min(rows, p * step), e = begin + std::min(rows, (p + 1) * step);

@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -114,6 +116,58 @@ int64_t masked_argmax_scalar(const float *x, const int32_t *mask, int v) {
   return best;
 }
 
+// expf by Cephes' polynomial, the same operations in the scalar and the vector version (the
+// file is built without contraction into fused multiply-adds), so both give the same bits.
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, -88.3762626647949f), 88.3762626647949f);
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f;
+  x = x - fx * -2.12194440e-4f;
+  const float z = x * x;
+  float y = 1.9875691500E-4f;
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * z + x + 1.0f;
+  int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+#ifdef DEEPINFER_HAVE_AVX2
+__attribute__((target("avx2"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                            _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), x), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2"))) int silu_mul_avx2(const float *g, const float *u, float *out, int n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  return i;
+}
+#endif
+
 }  // namespace
 
 void rms_norm_rows(float *x, const float *residual, const float *weight, float eps, float *out, int h, int begin,
@@ -173,6 +227,15 @@ void masked_argmax_rows(const float *x, int v, const int32_t *const *masks, int6
 #endif
     out[t] = masked_argmax_scalar(row, mask, v);
   }
+}
+
+void silu_mul(const float *g, const float *u, float *out, int n) {
+  int i = 0;
+#ifdef DEEPINFER_HAVE_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) i = silu_mul_avx2(g, u, out, n);
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
 }
 
 }  // namespace deepinfer

@@ -22,6 +22,11 @@ void rms_norm_rows(float *x, const float *residual, const float *weight, float e
 void rotary_rows(float *x, int64_t row_stride, int heads, int d, const float *cos, const float *sin, int begin,
                  int end);
 
+// out = silu(g) * u over n floats, silu(x) = x / (1 + e^-x) with e^x by Cephes' polynomial
+// (the same operations in the vector and the scalar tail, so the value of an element does
+// not depend on where it falls): the activation of the Llama MLP and of the MoE experts.
+void silu_mul(const float *g, const float *u, float *out, int n);
+
 // Index of the largest value of each row of width v (the first one on ties; a row holding
 // NaN gives its first NaN, as torch.argmax does).
 void argmax_rows(const float *x, int v, int64_t *out, int begin, int end);

@@ -1,6 +1,10 @@
 #include "cpu_linear.h"
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
+
+#include "thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -155,6 +159,19 @@ void linear_cached_rows(const float *x, const float *w, const float *bias, float
   if (use_avx2(K)) return cached_rows_avx2(x, w, bias, y, M, N, K, n_begin, n_end);
 #endif
   columns_scalar(x, w, bias, y, M, N, K, n_begin, n_end);
+}
+
+void linear_threaded(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int threads) {
+  // Weights per thread below which splitting is not worth waking a worker.
+  constexpr int64_t kMinWeightsPerThread = 1 << 16;
+  const int64_t weights = static_cast<int64_t>(N) * K;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, weights / kMinWeightsPerThread)));
+  // Column ranges in multiples of 3, the kernel's tile height.
+  const int step = ((N + parts - 1) / parts + 2) / 3 * 3;
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
+    if (begin < end) linear_columns(x, w, bias, y, M, N, K, begin, end);
+  });
 }
 
 }  // namespace deepinfer

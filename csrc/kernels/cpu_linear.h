@@ -21,4 +21,8 @@ void linear_columns(const float *x, const float *w, const float *bias, float *y,
 void linear_cached_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                         int n_begin, int n_end);
 
+// linear_columns over all N columns, split across up to `threads` threads of the shared pool
+// in multiples of 3 columns (one thread when the matrix is too small to pay for waking one).
+void linear_threaded(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int threads);
+
 }  // namespace deepinfer

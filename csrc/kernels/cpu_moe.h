@@ -31,7 +31,4 @@ struct MoeProblem {
 
 void moe_experts(const MoeProblem &p, int num_threads);
 
-// silu(g) * u over n floats (vectorized; the same function for every call, for invariance).
-void silu_mul(const float *g, const float *u, float *out, int n);
-
 }  // namespace deepinfer

@@ -1,9 +1,12 @@
 #include "packed_linear.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "cpu_linear.h"
 #include "packed_blocks.h"
+#include "thread_pool.h"
 
 namespace deepinfer {
 
@@ -19,6 +22,9 @@ constexpr int kGroupRows = 12;
 // 3 x 4 register tiles on widened rows reuse each loaded input vector three times.
 constexpr int kFewRows = 6;
 constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernels prefetch
+// Packed bytes per thread below which splitting is not worth waking a worker (about what
+// the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
+constexpr int64_t kMinBytesPerThread = 1 << 15;
 
 #ifdef DEEPINFER_PACKED_AVX2
 using namespace packed_detail;
@@ -151,6 +157,21 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
     // The widened rows are columns [0, count) of a matrix starting at row n.
     linear_cached_rows(x, rows.data(), bias ? bias + n : nullptr, y + n, M, N, K, 0, count);
   }
+}
+
+int packed_thread_parts(const PackedMatrix &w, int rows, int threads) {
+  const int64_t bytes = static_cast<int64_t>(rows) * static_cast<int64_t>(w.row_bytes);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kMinBytesPerThread)));
+}
+
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads) {
+  const int N = w.rows, parts = packed_thread_parts(w, N, threads);
+  // Whole groups of 12 rows: the kernels' groups of 4 (one input row) and 12 (several).
+  const int step = ((N + parts - 1) / parts + 11) / 12 * 12;
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int begin = std::min(N, p * step), end = std::min(N, begin + step);
+    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end);
+  });
 }
 
 void widen_rows(const PackedMatrix &w, int begin, int end, float *out) {

@@ -21,6 +21,13 @@ namespace deepinfer {
 void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
                            int n_end);
 
+// How many threads `rows` rows of w are worth splitting across (at most `threads`).
+int packed_thread_parts(const PackedMatrix &w, int rows, int threads);
+
+// packed_linear_columns over all of w's rows, split across up to `threads` threads of the
+// shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay).
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads);
+
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).
 void widen_rows(const PackedMatrix &w, int begin, int end, float *out);

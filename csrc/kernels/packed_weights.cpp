@@ -1,6 +1,7 @@
 #include "packed_weights.h"
 
 #include <cstring>
+#include <utility>
 
 #include "packed_blocks.h"
 
@@ -108,6 +109,18 @@ bool use_avx2() {
 #endif
 
 }  // namespace
+
+bool packed_format_named(const std::string &name, WeightFormat *format) {
+  static const std::pair<const char *, WeightFormat> names[] = {
+      {"bf16", WeightFormat::kBF16}, {"q4_0", WeightFormat::kQ4_0}, {"q4_1", WeightFormat::kQ4_1},
+      {"q8_0", WeightFormat::kQ8_0}};
+  for (const auto &n : names)
+    if (name == n.first) {
+      *format = n.second;
+      return true;
+    }
+  return false;
+}
 
 size_t packed_row_bytes(WeightFormat format, int cols) {
   if (cols <= 0) return 0;

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace deepinfer {
 
@@ -20,6 +21,9 @@ struct PackedMatrix {
   size_t row_bytes;
   WeightFormat format;
 };
+
+// The format called `name` ("bf16", "q4_0", "q4_1", "q8_0"); false for any other name.
+bool packed_format_named(const std::string &name, WeightFormat *format);
 
 // Bytes one row of `cols` values takes, or 0 when cols does not fit the format's blocks.
 size_t packed_row_bytes(WeightFormat format, int cols);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace deepinfer {
 
@@ -30,5 +31,18 @@ struct PagedAttentionShape {
 void paged_attention(const PagedAttentionShape &shape, const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, const int32_t *query_rows, const int32_t *context_lens,
                      float scale, float *out, int begin, int end);
+
+// What is wrong with the contexts of a call, or "" when nothing is: every query's row lies in
+// the block table, its context length in [1, the row's capacity] (and under 2^24), and the
+// block ids that each row's longest context reaches lie in the cache. Checked before a call
+// (the kernel itself trusts them).
+std::string paged_context_error(const PagedAttentionShape &shape, const int32_t *block_tables,
+                                const int32_t *query_rows, const int32_t *context_lens);
+
+// paged_attention over every unit, split across up to `threads` threads of the shared pool
+// into ranges of about equal context (one range when the batch is too small to pay).
+void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, const float *k_cache,
+                              const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+                              const int32_t *context_lens, float scale, float *out, int threads);
 
 }  // namespace deepinfer
