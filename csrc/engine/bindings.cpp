@@ -378,6 +378,7 @@ namespace deepinfer {
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
 void bind_packed_kernels(py::module_ &m);  // csrc/kernels/bindings_packed.cpp
 void bind_moe(py::module_ &m);  // csrc/kernels/bindings_moe.cpp
+void bind_decode(py::module_ &m);  // csrc/kernels/bindings_decode.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -392,4 +393,5 @@ PYBIND11_MODULE(_C, m) {
   bind_kernels(m);
   bind_packed_kernels(m);
   bind_moe(m);
+  bind_decode(m);
 }

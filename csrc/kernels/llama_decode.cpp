@@ -1,0 +1,89 @@
+#include "llama_decode.h"
+
+#include <cstring>
+#include <utility>
+
+#include "cpu_fused_ops.h"
+#include "cpu_linear.h"
+#include "packed_linear.h"
+#include "paged_attention.h"
+
+namespace deepinfer {
+
+namespace {
+
+void project(const DecodeLinear &l, const float *x, float *y, int rows, int threads) {
+  if (l.matrix.data)
+    packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads);
+  else
+    linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);
+}
+
+// Scratch of one step, sized once.
+struct Buffers {
+  std::vector<float> normed, qkv, q, attn, gate_up, act, other;
+  Buffers(const DecodeShape &s, int T)
+      : normed(static_cast<size_t>(T) * s.hidden),
+        qkv(static_cast<size_t>(T) * (s.heads + 2 * s.kv_heads) * s.head_dim),
+        q(static_cast<size_t>(T) * s.heads * s.head_dim),
+        attn(q.size()),
+        gate_up(static_cast<size_t>(T) * 2 * s.intermediate),
+        act(static_cast<size_t>(T) * s.intermediate),
+        other(normed.size()) {}
+};
+
+// Attention of one layer: normed -> b.attn [T, heads * head_dim], the K/V of the step stored.
+void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &step, Buffers &b, int threads) {
+  const int T = step.tokens, D = s.head_dim, width = (s.heads + 2 * s.kv_heads) * D;
+  project(L.qkv, b.normed.data(), b.qkv.data(), T, threads);
+  rotary_rows(b.qkv.data(), width, s.heads, D, step.cos, step.sin, 0, T);
+  rotary_rows(b.qkv.data() + s.heads * D, width, s.kv_heads, D, step.cos, step.sin, 0, T);
+  const size_t q_bytes = sizeof(float) * s.heads * D, kv = static_cast<size_t>(s.kv_heads) * D;
+  for (int t = 0; t < T; ++t) {
+    const float *row = b.qkv.data() + static_cast<size_t>(t) * width;
+    std::memcpy(b.q.data() + static_cast<size_t>(t) * s.heads * D, row, q_bytes);
+    std::memcpy(L.k_cache + step.slots[t] * kv, row + s.heads * D, sizeof(float) * kv);
+    std::memcpy(L.v_cache + step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, sizeof(float) * kv);
+  }
+  const PagedAttentionShape ps{T, step.num_rows, s.heads, s.kv_heads, D, s.block_size, step.max_blocks,
+                               s.num_blocks};
+  paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, step.block_tables, step.query_rows,
+                           step.context_lens, L.scale, b.attn.data(), threads);
+}
+
+// The MLP of one layer: normed -> out [T, hidden].
+void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *out, int threads) {
+  const int I = s.intermediate;
+  project(L.gate_up, b.normed.data(), b.gate_up.data(), T, threads);
+  for (int t = 0; t < T; ++t) {
+    const float *g = b.gate_up.data() + static_cast<size_t>(t) * 2 * I;
+    silu_mul(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
+  }
+  project(L.down, b.act.data(), out, T, threads);
+}
+
+}  // namespace
+
+void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, const float *final_norm,
+                  float final_eps, const DecodeStep &step, float *hidden, float *out, int threads) {
+  const int T = step.tokens, H = s.hidden;
+  Buffers b(s, T);
+  // The residual stream lives in `res`; each sublayer writes its output into `next`, adds
+  // the stream into it (rms_norm_rows' residual) and becomes the stream.
+  float *res = hidden, *next = b.other.data();
+  rms_norm_rows(res, nullptr, layers[0].input_norm, s.eps, b.normed.data(), H, 0, T);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecodeLayer &L = layers[i];
+    attention(s, L, step, b, threads);
+    project(L.o, b.attn.data(), next, T, threads);
+    rms_norm_rows(next, res, L.post_norm, s.eps, b.normed.data(), H, 0, T);
+    std::swap(res, next);
+    mlp(s, L, T, b, next, threads);
+    const bool last = i + 1 == layers.size();
+    rms_norm_rows(next, res, last ? final_norm : layers[i + 1].input_norm, last ? final_eps : s.eps,
+                  last ? out : b.normed.data(), H, 0, T);
+    std::swap(res, next);
+  }
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,95 @@
+"""`_C.LlamaDecodeStack` (csrc/kernels/llama_decode.h) checks what it is handed: weights at
+add_layer, caches at set_caches, and every step's slots, block ids and shapes before it
+writes into the cache, each with a ValueError naming what was wrong. And `_C.silu_mul`, the
+activation it shares with the module path, against torch's silu within a few ulp.
+(That the stack computes what the modules compute is tests/models/test_llama_cpu_decode.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_dp import _C
+
+H, HEADS, KV, D, INTER, BLOCKS, BS = 16, 4, 2, 4, 24, 8, 4
+
+
+def f32(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * 0.1
+
+
+def stack_with_one_layer():
+    stack = _C.LlamaDecodeStack(H, HEADS, KV, D, INTER, 1e-5, np.ones(H, np.float32), 1e-5)
+    qkv = (f32((HEADS + 2 * KV) * D, H), "f32", None)
+    stack.add_layer(qkv, (f32(H, HEADS * D), "f32", None), (f32(2 * INTER, H), "f32", None),
+                    (f32(H, INTER), "f32", None), np.ones(H, np.float32), np.ones(H, np.float32), 0.5)
+    return stack
+
+
+def caches():
+    return [np.zeros((BLOCKS, BS, KV, D), np.float32)], [np.zeros((BLOCKS, BS, KV, D), np.float32)]
+
+
+def step(slot=5, block=1, length=6):
+    return dict(embeddings=f32(1, H, seed=1), cos=np.ones((1, D), np.float32), sin=np.zeros((1, D), np.float32),
+                slots=np.array([slot], np.int64), block_tables=np.array([[0, block]], np.int32),
+                context_lens=np.array([length], np.int32), query_rows=None, threads=1)
+
+
+def test_a_step_writes_its_kv_and_returns_hidden_states():
+    stack = stack_with_one_layer()
+    k, v = caches()
+    stack.set_caches(k, v)
+    out = stack.run(**step())
+    assert out.shape == (1, H) and np.isfinite(out).all()
+    assert np.abs(k[0][1, 1]).sum() > 0 and np.abs(v[0][1, 1]).sum() > 0  # slot 5 = block 1, offset 1
+    assert np.abs(k[0]).sum() == np.abs(k[0][1, 1]).sum()  # nothing else written
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(slot=BLOCKS * BS), "slot 32 outside the cache"),
+    (dict(slot=-1), "slot -1 outside the cache"),
+    (dict(block=BLOCKS), "block id outside the cache"),
+    (dict(length=3 * BS), "context length out of range"),
+])
+def test_bad_step_indices_raise_before_anything_is_written(bad, message):
+    stack = stack_with_one_layer()
+    k, v = caches()
+    stack.set_caches(k, v)
+    with pytest.raises(ValueError, match=message):
+        stack.run(**step(**bad))
+    assert not k[0].any() and not v[0].any()
+
+
+def test_misuse_names_what_was_wrong():
+    stack = stack_with_one_layer()
+    with pytest.raises(ValueError, match="caches are not set"):
+        stack.run(**step())
+    with pytest.raises(ValueError, match="one K and V cache per layer"):
+        stack.set_caches([], [])
+    with pytest.raises(ValueError, match=r"qkv: weight must be \[32, 16\]"):
+        stack.add_layer((f32(H, H), "f32", None), (f32(H, HEADS * D), "f32", None), (f32(2 * INTER, H), "f32", None),
+                        (f32(H, INTER), "f32", None), np.ones(H, np.float32), np.ones(H, np.float32), 0.5)
+    with pytest.raises(ValueError, match="unknown format 'q5_k'"):
+        stack.add_layer((np.zeros((32, 8), np.uint8), "q5_k", None), (f32(H, HEADS * D), "f32", None),
+                        (f32(2 * INTER, H), "f32", None), (f32(H, INTER), "f32", None), np.ones(H, np.float32),
+                        np.ones(H, np.float32), 0.5)
+    k, v = caches()
+    stack.set_caches(k, v)
+    with pytest.raises(ValueError, match="embeddings must be"):
+        stack.run(**{**step(), "embeddings": f32(1, H + 1)})
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (3, 13), (5, 64)])
+def test_silu_mul_is_torch_silu_times_up_within_a_few_ulp(rows, inter):
+    gate_up = torch.from_numpy(f32(rows, 2 * inter, seed=rows) * 80)  # reaches e^x's clamped range
+    out = torch.empty(rows, inter)
+    _C.silu_mul(gate_up.numpy(), out.numpy())
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=4e-7, atol=1e-30)
+    row = torch.empty(1, inter)  # a row's values do not depend on the rows around it
+    _C.silu_mul(gate_up[-1:].contiguous().numpy(), row.numpy())
+    assert torch.equal(row[0], out[-1])
+    with pytest.raises(ValueError, match=r"silu_mul: gate_up must be \[T, 2I\]"):
+        _C.silu_mul(gate_up.numpy(), torch.empty(rows, inter + 1).numpy())
