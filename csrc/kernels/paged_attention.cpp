@@ -22,19 +22,44 @@ constexpr int64_t kMinPositionsPerThread = 128;
 // memory on a worker thread, where an exception cannot become a Python error.
 constexpr int32_t kMaxContext = 1 << 24;
 
-// Cuts the n * per_query work units (query u / per_query) into up to `parts` ranges
-// [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its query's
-// context), so the threads finish together; one range when the batch is too small to pay
-// for waking a worker. Units rather than queries, so that even one long sequence (its KV
+// Queries attended together for one KV head: consecutive queries of one block-table row (the
+// tokens of a verification step or a short prefill chunk share their K/V), at most
+// kChunkQueries of them so that even one sequence's chunks keep both threads busy.
+constexpr int kChunkQueries = 3;
+
+struct Span {
+  int first, count;
+};
+
+std::vector<Span> query_spans(const int32_t *rows, int n) {
+  std::vector<Span> spans;
+  for (int i = 0; i < n; ++i) {
+    if (rows && !spans.empty() && spans.back().count < kChunkQueries && rows[spans.back().first] == rows[i])
+      ++spans.back().count;
+    else
+      spans.push_back({i, 1});
+  }
+  return spans;
+}
+
+// Cuts the units (span u / per_span, KV head u % per_span) into up to `parts` ranges
+// [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its queries'
+// contexts), so the threads finish together; one range when the batch is too small to pay
+// for waking a worker. Units rather than spans, so that even one long sequence (its KV
 // heads) keeps several threads busy.
-std::vector<int> split_by_length(const int32_t *lens, int n, int per_query, int parts) {
+std::vector<int> split_by_length(const std::vector<Span> &spans, const int32_t *lens, int per_span, int parts) {
+  std::vector<int64_t> weight;
   int64_t total = 0, seen = 0;
-  for (int i = 0; i < n; ++i) total += static_cast<int64_t>(lens[i]) * per_query;
-  if (total < kMinPositionsPerThread * per_query * parts) parts = 1;  // positions, not units
-  const int units = n * per_query;
+  for (const Span &sp : spans) {
+    weight.push_back(0);
+    for (int i = sp.first; i < sp.first + sp.count; ++i) weight.back() += lens[i];
+    total += weight.back() * per_span;
+  }
+  if (total < kMinPositionsPerThread * per_span * parts) parts = 1;  // positions, not units
+  const int units = static_cast<int>(spans.size()) * per_span;
   std::vector<int> cuts{0};
   for (int u = 0; u < units && static_cast<int>(cuts.size()) < parts; ++u) {
-    seen += lens[u / per_query];
+    seen += weight[u / per_span];
     if (seen * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(u + 1);
   }
   cuts.push_back(units);
@@ -50,6 +75,15 @@ struct PagedRows {
   const float *at(int t) const {
     return cache + (static_cast<size_t>(blocks[t / block_size]) * block_size + t % block_size) * row;
   }
+};
+
+// The queries of one span, for one KV head: their heads of that KV head, outputs, contexts.
+struct QueryChunk {
+  const float *q;       // the first query's heads; query j at q + j * q_stride
+  float *out;           // likewise
+  size_t q_stride;      // floats between queries: num_heads * head_dim
+  const int32_t *lens;  // the queries' context lengths
+  int count;
 };
 
 // Softmax of `n` scores in place.
@@ -132,103 +166,125 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
   for (t = 0; t < n; ++t) sc[t] *= inv;
 }
 
-// AVX2 path for head sizes 64 and 128: the `group` query heads that share one KV head go
-// through its positions together, block by block, so each K and V row comes from memory
-// once and is reused from L1 by the other heads (at long contexts decode attention is bound
-// by reading the cache). Scores of 8 positions at a time end in one tree of horizontal adds.
+// The scores of one query head against n positions from kt on, into sh (8 positions at a
+// time end in one tree of horizontal adds, the rest one by one).
 template <int D>
-__attribute__((target("avx2,fma"))) void attend_group_avx2(const float *q, int group, const PagedRows &k,
-                                                           const PagedRows &v, int seq_len, float scale,
-                                                           float *scores, float *out) {
+AVX2_INLINE void head_scores(const float *qh, const float *kt, size_t row, int n, __m256 sv, float scale,
+                             float *sh) {
   constexpr int R = D / 8;
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc[8];
+    for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
+      for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (i + p) * row + 8 * r), acc[p]);
+    }
+    _mm256_storeu_ps(sh + i, _mm256_mul_ps(hsum8x8(acc), sv));
+  }
+  for (; i < n; ++i) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(kt + i * row + 8 * r), acc);
+    sh[i] = hsum(acc) * scale;
+  }
+}
+
+// out[0, D) += the n probabilities ph times the V rows from vt on.
+template <int D>
+AVX2_INLINE void head_values(const float *ph, const float *vt, size_t row, int n, float *out) {
+  constexpr int R = D / 8;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + 8 * r);
+  for (int i = 0; i < n; ++i, vt += row) {
+    const __m256 w = _mm256_set1_ps(ph[i]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// AVX2 path for head sizes 64 and 128: the `group` query heads that share one KV head, of
+// each of the chunk's queries (consecutive queries of one sequence: a decode token alone, or
+// the tokens of a verification step or short prefill chunk), go through its positions
+// together, block by block, so each K and V row comes from memory once and is reused from L1
+// by all of them (at long contexts attention is bound by reading the cache). Each query
+// stops at its own context length, with the block-by-block split it would have alone, so its
+// floats do not depend on the queries around it.
+template <int D>
+__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, int group, const PagedRows &k,
+                                                           const PagedRows &v, float scale, float *scores) {
   const __m256 sv = _mm256_set1_ps(scale);
-  for (int t0 = 0; t0 < seq_len; t0 += k.block_size) {
-    const int n = std::min(k.block_size, seq_len - t0);
+  const int longest = *std::max_element(c.lens, c.lens + c.count);
+  const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * group + h) * longest; };
+  for (int t0 = 0; t0 < longest; t0 += k.block_size) {
     const float *kt = k.at(t0);
-    for (int h = 0; h < group; ++h) {
-      const float *qh = q + h * D;
-      float *sh = scores + static_cast<size_t>(h) * seq_len + t0;
-      int i = 0;
-      for (; i + 8 <= n; i += 8) {
-        __m256 acc[8];
-        for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
-        for (int r = 0; r < R; ++r) {
-          const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
-          for (int p = 0; p < 8; ++p)
-            acc[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (i + p) * k.row + 8 * r), acc[p]);
-        }
-        _mm256_storeu_ps(sh + i, _mm256_mul_ps(hsum8x8(acc), sv));
-      }
-      for (; i < n; ++i) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int r = 0; r < R; ++r)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(kt + i * k.row + 8 * r), acc);
-        sh[i] = hsum(acc) * scale;
-      }
+    for (int j = 0; j < c.count; ++j) {
+      const int n = std::min(k.block_size, c.lens[j] - t0);
+      for (int h = 0; h < group && n > 0; ++h)
+        head_scores<D>(c.q + j * c.q_stride + h * D, kt, k.row, n, sv, scale, scores_of(j, h) + t0);
     }
   }
-  for (int h = 0; h < group; ++h) softmax_avx2(scores + static_cast<size_t>(h) * seq_len, seq_len);
-  std::fill(out, out + group * D, 0.f);
-  for (int t0 = 0; t0 < seq_len; t0 += v.block_size) {
-    const int n = std::min(v.block_size, seq_len - t0);
-    const float *vt0 = v.at(t0);
-    for (int h = 0; h < group; ++h) {
-      const float *ph = scores + static_cast<size_t>(h) * seq_len + t0;
-      __m256 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + h * D + 8 * r);
-      const float *vt = vt0;
-      for (int i = 0; i < n; ++i, vt += v.row) {
-        const __m256 w = _mm256_set1_ps(ph[i]);
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * r), acc[r]);
-      }
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + h * D + 8 * r, acc[r]);
+  for (int j = 0; j < c.count; ++j) {
+    for (int h = 0; h < group; ++h) softmax_avx2(scores_of(j, h), c.lens[j]);
+    std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + group * D, 0.f);
+  }
+  for (int t0 = 0; t0 < longest; t0 += v.block_size) {
+    const float *vt = v.at(t0);
+    for (int j = 0; j < c.count; ++j) {
+      const int n = std::min(v.block_size, c.lens[j] - t0);
+      for (int h = 0; h < group && n > 0; ++h)
+        head_values<D>(scores_of(j, h) + t0, vt, v.row, n, c.out + j * c.q_stride + h * D);
     }
   }
 }
 #endif
 
-// Attends the `group` query heads q [group, D] (consecutive heads sharing one KV head) into
-// out [group, D]; scores holds group * seq_len floats.
-using GroupFn = void (*)(const float *, int, const PagedRows &, const PagedRows &, int, float, float *, float *);
+// Attends the `group` query heads of KV head k/v of every query of the chunk; scores holds
+// count * group * (longest context) floats.
+using ChunkFn = void (*)(const QueryChunk &, int, const PagedRows &, const PagedRows &, float, float *);
 
-GroupFn pick_group_fn(int head_dim) {
+ChunkFn pick_chunk_fn(int head_dim) {
 #ifdef DEEPINFER_HAVE_AVX2
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (head_dim == 64) return &attend_group_avx2<64>;
-    if (head_dim == 128) return &attend_group_avx2<128>;
+    if (head_dim == 64) return &attend_chunk_avx2<64>;
+    if (head_dim == 128) return &attend_chunk_avx2<128>;
   }
 #endif
   (void)head_dim;
   return nullptr;
 }
 
-}  // namespace
-
-void paged_attention(const PagedAttentionShape &s, const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *block_tables, const int32_t *query_rows, const int32_t *context_lens,
-                     float scale, float *out, int begin, int end) {
+// Units [begin, end): unit u = (span u / num_kv_heads, KV head u % num_kv_heads), each
+// computed by one thread in a fixed order, whatever the split.
+void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, const float *q, const float *k_cache,
+                  const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+                  const int32_t *context_lens, float scale, float *out, int begin, int end) {
   const int group = s.num_heads / s.num_kv_heads;
-  const size_t D = s.head_dim;
+  const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
-  const GroupFn fast = pick_group_fn(s.head_dim);
+  const ChunkFn fast = pick_chunk_fn(s.head_dim);
   std::vector<float> scores;
   for (int u = begin; u < end; ++u) {
-    const int i = u / s.num_kv_heads, g = u % s.num_kv_heads;
+    const Span &sp = spans[u / s.num_kv_heads];
+    const int g = u % s.num_kv_heads, i = sp.first;
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
-    const int len = context_lens[i];
-    scores.resize(static_cast<size_t>(len) * group);
+    const int32_t *lens = context_lens + i;
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
     PagedRows k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
-    const float *qg = q + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
-    float *og = out + (static_cast<size_t>(i) * s.num_heads + static_cast<size_t>(g) * group) * D;
+    const size_t first = i * stride + static_cast<size_t>(g) * group * D;
+    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count};
+    scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * group * sp.count);
     if (fast) {
-      fast(qg, group, k, v, len, scale, scores.data(), og);
+      fast(chunk, group, k, v, scale, scores.data());
       continue;
     }
-    for (int h = 0; h < group; ++h)
-      attend_head_scalar(qg + h * D, k, v, len, s.head_dim, scale, scores.data(), og + h * D);
+    for (int j = 0; j < sp.count; ++j)
+      for (int h = 0; h < group; ++h)
+        attend_head_scalar(chunk.q + j * stride + h * D, k, v, lens[j], s.head_dim, scale, scores.data(),
+                           chunk.out + j * stride + h * D);
   }
 }
+
+}  // namespace
 
 std::string paged_context_error(const PagedAttentionShape &s, const int32_t *block_tables, const int32_t *rows,
                                 const int32_t *lens) {
@@ -253,9 +309,11 @@ std::string paged_context_error(const PagedAttentionShape &s, const int32_t *blo
 void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const float *k_cache,
                               const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                               const int32_t *context_lens, float scale, float *out, int threads) {
-  const std::vector<int> cuts = split_by_length(context_lens, s.num_queries, s.num_kv_heads, threads);
+  const std::vector<Span> spans = query_spans(query_rows, s.num_queries);
+  const std::vector<int> cuts = split_by_length(spans, context_lens, s.num_kv_heads, threads);
   shared_pool(threads).run(static_cast<int>(cuts.size()) - 1, threads, [&](int c) {
-    paged_attention(s, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out, cuts[c], cuts[c + 1]);
+    attend_units(s, spans, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out, cuts[c],
+                 cuts[c + 1]);
   });
 }
 

@@ -25,12 +25,12 @@ struct PagedAttentionShape {
 // query_rows [T]: the block-table row of each query (nullptr: query t uses row t, decode);
 // context_lens [T]: positions query t attends to, its own included (causal: a prompt's
 // query at position p has p + 1), all already stored in the cache; out [T, H, D].
-// Work units [begin, end) only, unit u = (query u / num_kv_heads, KV head u % num_kv_heads)
-// with the query heads that share it, so callers can split the batch across threads; each
-// unit's result comes from one thread in a fixed order, whatever the split.
-void paged_attention(const PagedAttentionShape &shape, const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *block_tables, const int32_t *query_rows, const int32_t *context_lens,
-                     float scale, float *out, int begin, int end);
+// Split across up to `threads` threads of the shared pool into ranges of about equal
+// context (one range when the batch is too small to pay); each query's result is the same
+// whatever the split and whatever other queries the call holds.
+void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, const float *k_cache,
+                              const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+                              const int32_t *context_lens, float scale, float *out, int threads);
 
 // What is wrong with the contexts of a call, or "" when nothing is: every query's row lies in
 // the block table, its context length in [1, the row's capacity] (and under 2^24), and the
@@ -38,11 +38,5 @@ void paged_attention(const PagedAttentionShape &shape, const float *q, const flo
 // (the kernel itself trusts them).
 std::string paged_context_error(const PagedAttentionShape &shape, const int32_t *block_tables,
                                 const int32_t *query_rows, const int32_t *context_lens);
-
-// paged_attention over every unit, split across up to `threads` threads of the shared pool
-// into ranges of about equal context (one range when the batch is too small to pay).
-void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, const float *k_cache,
-                              const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
-                              const int32_t *context_lens, float scale, float *out, int threads);
 
 }  // namespace deepinfer

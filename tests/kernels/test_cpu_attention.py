@@ -119,3 +119,25 @@ def test_threads_split_the_batch_without_changing_results():
 
     one = run(1)
     assert torch.equal(run(2), one) and torch.equal(run(5), one)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # the AVX2 chunk path and the portable loop
+def test_queries_of_one_sequence_attended_together_equal_each_alone(head_dim):
+    """A verification step's tokens (one sequence, consecutive positions) go through the K/V
+    together, a few at a time; each token's output must be the one it gets alone, bit for
+    bit, whatever its neighbours' lengths and the thread split."""
+    _, k_cache, v_cache, md = random_case(2, 9, 3, head_dim, 16, seed=7)
+    table = md.block_tables.numpy()
+    base = int(md.seq_lens[0])
+    # 7 tokens at the end of sequence 0 (lengths base-6 .. base), then 2 of sequence 1.
+    lens = np.array([base - 6 + i for i in range(7)] + [int(md.seq_lens[1])] * 2, dtype=np.int32)
+    lens = np.maximum(lens, 1)
+    rows = np.array([0] * 7 + [1, 1], dtype=np.int32)
+    q = torch.randn(len(lens), 9, head_dim, generator=torch.Generator().manual_seed(3))
+    together = torch.empty_like(q)
+    _C.paged_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), table, lens, together.numpy(), 0.125, 2, rows)
+    for t in range(len(lens)):
+        alone = torch.empty_like(q[t:t + 1])
+        _C.paged_attention(q[t:t + 1].contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), table,
+                           lens[t:t + 1], alone.numpy(), 0.125, 1, rows[t:t + 1])
+        assert torch.equal(alone[0], together[t]), t
