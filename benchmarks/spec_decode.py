@@ -28,7 +28,8 @@ speculative side runs once per --k value, named e.g. ngram_k5 (--k 3 5 compares 
 --threshold measures the auto-off threshold (disable_by_batch_size): n-gram always on against
 off, at batch sizes 1, 2, 4, 8, 16 and 32 (or --batches), on both workloads, and prints the
 first batch size where speculation stops paying (ratio < 1.0) on the ordinary workload and
-the default it suggests. With --rounds 1 --max-tokens 40 it takes a few minutes.
+the default it suggests. --max-tokens caps only the ordinary workload: the repetition answers
+run to 170 tokens whatever it says (--workloads ordinary leaves them out of a quick run).
 
     python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3 [5 ...]] [--max-tokens 96]
         [--repetition-max-tokens 384]
