@@ -6,23 +6,33 @@ embeddings, norm and LM head (benchmarks/layer_skip_draft.py), since no smaller 
 SmolLM2's tokenizer is available offline. --draft PATH uses another draft instead.
 
 Two workloads, greedy, chat template applied:
-- repetition: rewrite / repeat a given passage, edit a given piece of code (EOS live:
-  the model ends when it is done, the same tokens on every side);
+- repetition: five copy requests of realistic length, the kind prompt lookup is for: "repeat
+  this text exactly" on three passages of 136-148 words, "repeat / copy this code exactly" on
+  two Python files of 20 and 26 lines. The answers are 140-170 tokens after 200-225 prompt
+  tokens, as real rewrite and edit requests return a whole document or file; with a short
+  passage the prefill is half of every request and hides what drafting does in the decode.
+  SmolLM2-135M does not carry out edits (fix the spelling, rename, add comments): it copies the
+  input unchanged, drops parts, or loops until max_tokens, so only copies it makes faithfully
+  and ends with EOS are kept (see REPETITION). EOS is live (the model ends when it is done, the
+  same tokens on every side), capped at --repetition-max-tokens;
 - ordinary: the offline-throughput prompts ("Write a short story about a robot number
   {i}."), exactly --max-tokens each (EOS ignored).
-At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: two
-requests one after the other). Each side runs in its own subprocess (no idle
-engine's threads beside it), the sides alternating round by round (this machine's speed
-drifts over minutes), and the best round of each side gives tokens/s; the ratio is against
-"off" at the same point. The script checks that every
-side produced the same tokens, and prints the mean accepted length.
+At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: the five
+prompts one request after the other; the ordinary workload likewise runs five). Each side runs
+in its own subprocess (no idle engine's threads beside it), the sides alternating round by
+round (this machine's speed drifts over minutes), and the best round of each side gives
+tokens/s; the ratio is against "off" at the same point. The script checks that every side
+produced the same tokens, and prints the mean accepted length and the answer lengths. Each
+speculative side runs once per --k value, named e.g. ngram_k5 (--k 3 5 compares K side by side).
 
 --threshold measures the auto-off threshold (disable_by_batch_size): n-gram always on against
 off, at batch sizes 1, 2, 4, 8, 16 and 32 (or --batches), on both workloads, and prints the
 first batch size where speculation stops paying (ratio < 1.0) on the ordinary workload and
-the default it suggests. With --rounds 1 --max-tokens 40 it takes a few minutes.
+the default it suggests. --max-tokens caps only the ordinary workload: the repetition answers
+run to 170 tokens whatever it says (--workloads ordinary leaves them out of a quick run).
 
-    python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3] [--max-tokens 96]
+    python benchmarks/spec_decode.py [--rounds 2] [--batches 1 4 16 64] [--k 3 [5 ...]] [--max-tokens 96]
+        [--repetition-max-tokens 384]
         [--workloads repetition ordinary] [--sides off ngram ngram_always draft draft_always] (also: off_nozos)
         [--draft-layers 8 | --draft PATH] [--threshold]
 """
@@ -38,20 +48,98 @@ import tempfile
 import time
 from pathlib import Path
 
-PASSAGE = ("The lighthouse keeper climbed the narrow stairs every evening at dusk. He polished the great lens, "
-           "trimmed the wick, and wrote the weather in his logbook before the first ship passed the rocks.")
-CODE = ("def total_price(items):\n    total = 0\n    for item in items:\n        total = total + item.price * "
-        "item.quantity\n    return total\n")
+# The repetition workload: copy requests of realistic length (passages of 130-150 words, code
+# files of 20-26 lines; answers of 140-170 tokens), as real prompt-lookup traffic (return a
+# document or a file with small changes) has. SmolLM2-135M was run greedily on each candidate
+# and only requests it answers sensibly are kept: a faithful copy that ends with EOS. It does
+# not manage edits (fix spelling, rename, add comments or docstrings, change a name or a
+# port): it copies the input unchanged, drops parts, or loops until max_tokens, so those are
+# left out rather than timed on a degenerate loop that would flatter the n-gram drafts.
+LIGHTHOUSE = (
+    "The lighthouse keeper climbed the narrow stairs every evening at dusk. He polished the great lens, trimmed "
+    "the wick, and wrote the weather in his logbook before the first ship passed the rocks. In winter the wind "
+    "came off the sea so hard that the windows rattled in their frames, and he wrapped himself in two coats and "
+    "a scarf his sister had knitted. In summer the tourists came with cameras and questions, and he answered "
+    "each one patiently, though he had heard them all before. He liked the quiet hours best, after midnight, "
+    "when the beam swept the water and nothing moved but the waves. Once a year the supply boat brought oil, "
+    "flour, coffee and letters, and he read the letters slowly, one each night, to make them last until the "
+    "boat came again.")
+GARDEN = (
+    "Every spring my grandfather planted tomatoes along the south wall of the garden. He started the seeds "
+    "indoors in March, in old yogurt pots lined up on the kitchen windowsill. When the nights grew warm enough, "
+    "he carried the young plants outside one by one and set them in the ground with a handful of compost. He "
+    "tied each stem to a wooden stake with strips of cloth cut from worn shirts. Through the summer he watered "
+    "them every evening, pinched out the side shoots, and talked to them as if they were old friends. By August "
+    "the plants were taller than me, heavy with red and yellow fruit. We ate tomatoes with every meal, sliced "
+    "with salt, cooked into sauce, or straight from the vine while they were still warm from the sun. What we "
+    "could not eat, my grandmother preserved in glass jars for the winter.")
+HARBOUR = (
+    "The harbour town wakes slowly in the winter months. The fishing boats go out before dawn, their lights "
+    "moving across the dark water like a string of small stars. By eight o'clock the cafe on the quay has its "
+    "shutters up, and the first customers sit by the stove with their newspapers. The baker's van arrives at "
+    "half past eight, and the postman follows at nine, walking the same route he has walked for thirty years. "
+    "Children cross the square on their way to the school on the hill, their bags bouncing on their backs. At "
+    "noon the boats return, and the fishermen unload their catch onto the stone pier, where buyers from the "
+    "city wait with cold boxes and clipboards. In the afternoon the town is quiet again, and the only sound is "
+    "the gulls arguing over scraps by the harbour wall.")
+STATS_CODE = '''def read_numbers(path):
+    numbers = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                numbers.append(float(line))
+    return numbers
+
+
+def mean(numbers):
+    return sum(numbers) / len(numbers)
+
+
+def variance(numbers):
+    m = mean(numbers)
+    return sum((x - m) ** 2 for x in numbers) / len(numbers)
+
+
+def main():
+    numbers = read_numbers("data.txt")
+    print("mean:", mean(numbers))
+    print("variance:", variance(numbers))
+
+
+main()
+'''
+RECEIPT_CODE = '''def total_price(items):
+    total = 0
+    for item in items:
+        total = total + item.price * item.quantity
+    return total
+
+
+def apply_discount(total, percent):
+    if percent < 0 or percent > 100:
+        raise ValueError("percent must be between 0 and 100")
+    return total * (100 - percent) / 100
+
+
+def format_receipt(items, percent):
+    lines = []
+    for item in items:
+        lines.append(f"{item.name}: {item.quantity} x {item.price:.2f}")
+    total = apply_discount(total_price(items), percent)
+    lines.append(f"Total: {total:.2f}")
+    return "\\n".join(lines)
+'''
 REPETITION = [
-    f"Rewrite this passage word for word, then once more in capital letters:\n\n{PASSAGE}",
-    f"Rename the function to compute_total and add a docstring. Return the whole code:\n\n{CODE}",
-    f"Summarise this passage in two sentences, reusing its words:\n\n{PASSAGE}",
-    f"Add type hints to this code and return all of it:\n\n{CODE}",
-    f"Repeat the following text exactly twice:\n\n{PASSAGE}",
-    f"Rewrite this code with a while loop instead of the for loop, keeping everything else:\n\n{CODE}",
+    f"Repeat the following text exactly, word for word:\n\n{LIGHTHOUSE}",
+    f"Repeat the following code exactly:\n\n```python\n{STATS_CODE}```",
+    f"Repeat the following text exactly, word for word:\n\n{GARDEN}",
+    f"Copy the following code exactly, without any changes:\n\n```python\n{RECEIPT_CODE}```",
+    f"Repeat the following text exactly, word for word:\n\n{HARBOUR}",
 ]
 ORDINARY = "Write a short story about a robot number {i}."
 THRESHOLD_BATCHES = [1, 2, 4, 8, 16, 32]
+KV_GB = 1.0  # room for 64 repetition requests (about 400 tokens each) without preemption
 
 
 def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
@@ -62,24 +150,35 @@ def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False).input_ids for t in chat]
 
 
-def build(side: str, k: int, draft: str | None):
+def side_names(sides: list[str], ks: list[int]) -> list[str]:
+    """Each speculative side once per K, named e.g. ngram_k5 or draft_always_k3."""
+    names = []
+    for side in sides:
+        names += [side] if side.startswith("off") else [f"{side}_k{k}" for k in ks]
+    return names
+
+
+def build(side: str, draft: str | None):
     from deepinfer_dp import LLM
 
-    spec = None
+    if side == "off":
+        return LLM(decode_sequence=False, kv_cache_memory_gb=KV_GB, max_model_len=1024)
     if side == "off_nozos":  # what giving up the ZOS deferral alone costs (speculative steps are not deferred)
-        return LLM(decode_sequence=False, zos=False, kv_cache_memory_gb=0.5, max_model_len=1024)
-    if side.startswith("ngram"):
-        spec = {"method": "ngram", "num_speculative_tokens": k}
-    elif side.startswith("draft"):
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-    if side.endswith("_always"):
+        return LLM(decode_sequence=False, zos=False, kv_cache_memory_gb=KV_GB, max_model_len=1024)
+    method, k = side.rsplit("_k", 1)  # e.g. ngram_always_k5
+    if method.startswith("ngram"):
+        spec = {"method": "ngram", "num_speculative_tokens": int(k)}
+    else:
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(k)}
+    if method.endswith("_always"):
         spec["disable_by_batch_size"] = None
-    return LLM(decode_sequence=False, speculative_config=spec, kv_cache_memory_gb=0.5, max_model_len=1024)
+    return LLM(decode_sequence=False, speculative_config=spec, kv_cache_memory_gb=KV_GB, max_model_len=1024)
 
 
 def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, list, dict]:
     before = llm.rank_stats()[0]
-    groups = [ids[:1], ids[1:2]] if batch == 1 else [ids]
+    # Batch 1: every prompt, one request after the other (more tokens, a steadier number).
+    groups = [[i] for i in ids] if batch == 1 else [ids]
     start = time.perf_counter()
     outs = []
     for g in groups:
@@ -87,8 +186,8 @@ def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, lis
     wall = time.perf_counter() - start
     after = llm.rank_stats()[0]
     tokens = [[t for o in r for t in o.token_ids] for r in outs]
-    delta = {key: after[key] - before[key] for key in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens")
-             if key in after}
+    delta = {key: after[key] - before[key] for key in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens",
+                                                       "num_preemptions") if key in after}
     return sum(len(t) for t in tokens) / wall, tokens, delta
 
 
@@ -96,7 +195,7 @@ def run_side(args: argparse.Namespace) -> dict:
     """One side, every point: what its subprocess prints as one JSON line."""
     from deepinfer_dp import SamplingParams
 
-    llm = build(args.side, args.k, args.draft)
+    llm = build(args.side, args.draft)
     tok = llm.get_tokenizer()
     # Warm-up on a prompt no point uses: a fresh process's first steps pay one-off costs (pages
     # of the weights and the cache touched for the first time, threads started) that would
@@ -106,13 +205,18 @@ def run_side(args: argparse.Namespace) -> dict:
                  use_tqdm=False)
     points = {}
     for workload in args.workloads:
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=workload == "ordinary")
+        cap = args.repetition_max_tokens if workload == "repetition" else args.max_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=cap, ignore_eos=workload == "ordinary")
         for batch in args.batches:
-            tok_s, tokens, delta = run_point(llm, prompts(tok, workload, max(batch, 2)), batch, params)
+            n = len(REPETITION) if batch == 1 else batch
+            tok_s, tokens, delta = run_point(llm, prompts(tok, workload, n), batch, params)
             drafts = delta.get("spec_decode_num_drafts", 0)
             points[f"{workload}/{batch}"] = {
                 "tok_s": tok_s, "tokens": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
-                "accepted_len": 1 + delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None}
+                "accepted_len": 1 + delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+                "lengths": [min(len(t) for t in tokens), max(len(t) for t in tokens)],
+                "cut": sum(len(t) >= cap for t in tokens) if workload == "repetition" else 0,
+                "preemptions": delta.get("num_preemptions", 0)}
     return points
 
 
@@ -121,8 +225,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 4 16 64; --threshold: "
                     f"{' '.join(map(str, THRESHOLD_BATCHES))})")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, nargs="+", default=[3],
+                    help="speculative tokens; several values run each speculative side once per K (ngram_k3, ...)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens per ordinary request (EOS ignored)")
+    ap.add_argument("--repetition-max-tokens", type=int, default=384,
+                    help="cap per repetition request (EOS live; the answers are 140-170 tokens)")
     ap.add_argument("--workloads", nargs="+", default=["repetition", "ordinary"])
     ap.add_argument("--sides", nargs="+", default=["off", "ngram", "ngram_always", "draft", "draft_always"])
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the layer-skip draft")
@@ -139,15 +246,26 @@ def main() -> None:
     if args.side:
         print(json.dumps(run_side(args)))
         return
+    args.sides = side_names(args.sides, args.k)
     if args.draft is None and any(s.startswith("draft") for s in args.sides):
         from layer_skip_draft import write_layer_skip_draft
 
         out = Path(tempfile.gettempdir()) / f"deepinfer-dp-smollm2-first{args.draft_layers}"
         args.draft = str(write_layer_skip_draft(None, out, args.draft_layers))
+    best = run_rounds(args)
+    report(args, best)
+    if args.threshold:
+        for k in args.k:
+            suggest_threshold(args, best, k)
+
+
+def run_rounds(args: argparse.Namespace) -> dict[tuple, dict]:
+    """Every side once per round, alternating; the best round of each side at each point."""
     best: dict[tuple, dict] = {}
     for r in range(args.rounds):
         for side in args.sides:  # each side in its own process: no idle engine's threads around
-            cmd = [sys.executable, __file__, "--side", side, "--k", str(args.k), "--max-tokens", str(args.max_tokens),
+            cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
+                   "--repetition-max-tokens", str(args.repetition_max_tokens),
                    "--batches", *map(str, args.batches), "--workloads", *args.workloads,
                    *(["--draft", args.draft] if args.draft else [])]
             points = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
@@ -156,19 +274,17 @@ def main() -> None:
                                   "accepted_len": v["accepted_len"]}), flush=True)
                 if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
                     best[(point, side)] = v
-    report(args, best)
-    if args.threshold:
-        suggest_threshold(args, best)
+    return best
 
 
-def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
+def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict], k: int) -> None:
     """The n-gram / off ratio by batch size, and the auto-off threshold read off the ordinary
     workload: drafting stays on while at most disable_by_batch_size requests run, so the
     suggestion is the largest measured batch size below the first one where it loses."""
     batches = sorted(args.batches)
-    ratios = {w: {b: best[(f"{w}/{b}", "ngram_always")]["tok_s"] / best[(f"{w}/{b}", "off")]["tok_s"]
+    ratios = {w: {b: best[(f"{w}/{b}", f"ngram_always_k{k}")]["tok_s"] / best[(f"{w}/{b}", "off")]["tok_s"]
                   for b in batches} for w in args.workloads}
-    print(f"\nn-gram always on / off, tokens/s ratio by batch size (K={args.k}, best of {args.rounds} rounds):")
+    print(f"\nn-gram always on / off, tokens/s ratio by batch size (K={k}, best of {args.rounds} rounds):")
     for w, by_batch in ratios.items():
         print(f"  {w:<12}" + "".join(f"  b{b}: {r:.2f}x" for b, r in by_batch.items()))
     losing = [b for b in batches if ratios["ordinary"][b] < 1.0]
@@ -185,14 +301,15 @@ def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict]) -> None
         print(f"ordinary workload: n-gram stops paying at batch {first} ({ratios['ordinary'][first]:.2f}x); "
               f"suggested disable_by_batch_size = {suggested} (the largest measured batch size below it: "
               f"drafting stays on while at most that many requests run)")
-    print(json.dumps({"threshold": {"first_losing_batch": first, "suggested_disable_by_batch_size": suggested,
+    print(json.dumps({"threshold": {"k": k, "first_losing_batch": first, "suggested_disable_by_batch_size": suggested,
                                     "ratios": ratios}}))
 
 
 def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
     draft = f", draft {args.draft}" if args.draft else ""
-    print(f"\nbest of {args.rounds} rounds, K={args.k}{draft}: tokens/s, ratio against off, [mean accepted length]")
-    print(f"{'point':<16}" + "".join(f"{s:>26}" for s in args.sides))
+    print(f"\nbest of {args.rounds} rounds{draft}: tokens/s, ratio against {args.sides[0]}, [mean accepted length];"
+          " (answer tokens, shortest-longest)")
+    print(f"{'point':<26}" + "".join(f"{s:>26}" for s in args.sides))
     for workload in args.workloads:
         for batch in args.batches:
             point = f"{workload}/{batch}"
@@ -204,7 +321,11 @@ def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
                     raise SystemExit(f"{side} produced other tokens than {args.sides[0]} at {point}")
                 acc = f" [{v['accepted_len']:.2f}]" if v["accepted_len"] else ""
                 cells.append(f"{v['tok_s']:8.1f} {v['tok_s'] / base['tok_s']:.2f}x{acc}")
-            print(f"{point:<16}" + "".join(f"{c:>26}" for c in cells))
+            label = f"{point} ({base['lengths'][0]}-{base['lengths'][1]})"
+            print(f"{label:<26}" + "".join(f"{c:>26}" for c in cells))
+            if base["cut"] or any(best[(point, side)]["preemptions"] for side in args.sides):
+                print(f"  {point}: {base['cut']} answers cut at the cap (raise --repetition-max-tokens), preemptions "
+                      + ", ".join(f"{side} {best[(point, side)]['preemptions']}" for side in args.sides))
 
 
 if __name__ == "__main__":
