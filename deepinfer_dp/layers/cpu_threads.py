@@ -8,6 +8,12 @@ gain from every core. Measured on SmolLM2 with 2 cores, interleaved in one proce
 with everything on two; at 8 sequences it made no difference. So for steps of at most
 NARROW_MAX_TOKENS tokens the runner drops torch to one thread, and the linear layers and
 the attention kernel ask `wide_threads()` for the full count.
+
+The bound is the packed kernels' row limit, not a decode size: after each parallel torch op
+OpenMP's workers spin for a while, and on 2 cores a spinning worker takes a core from the
+kernels' own thread pool. A 205-token prefill of SmolLM2 (packed weights) spent 0.66 s in its
+linear layers with torch on two threads and 0.34 s with torch on one (SDPA, now on one
+thread, went from 47 to 59 ms); the steps above it run their products in torch's GEMMs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-NARROW_MAX_TOKENS = 128
+NARROW_MAX_TOKENS = 512  # packed.KERNEL_MAX_ROWS (packed imports this module)
 
 _state = threading.local()
 
