@@ -329,6 +329,9 @@ void bind_scheduler(py::module_ &m) {
           },
           py::arg("k"), py::arg("min_n"), py::arg("max_n"),
           "Prompt-lookup drafts for every candidate; returns how many got some.")
+      .def("set_draft_backoff", &Scheduler::set_draft_backoff, py::arg("min_accepted"), py::arg("pause_tokens"),
+           "Pauses drafting for a sequence whose verification steps accept fewer than min_accepted drafts on\n"
+           "average, for its next pause_tokens tokens (min_accepted < 0: never).")
       .def("discard_unprocessed", &Scheduler::discard_unprocessed)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))

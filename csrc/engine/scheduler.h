@@ -129,6 +129,10 @@ class Scheduler {
   void set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int32_t> drafts);
   // Prompt lookup for every candidate; returns how many got drafts.
   int propose_ngram(int k, int min_n, int max_n);
+  // Acceptance back-off: a sequence whose verification steps accept fewer than
+  // `min_accepted` drafts on average (recent steps weigh most) stops being a draft
+  // candidate for its next `pause_tokens` tokens, then is tried again. min_accepted < 0: off.
+  void set_draft_backoff(float min_accepted, int pause_tokens);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -156,6 +160,7 @@ class Scheduler {
   void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens, int num_drafts = 0);
   int usable_drafts(const Sequence &seq, int budget) const;
   void clear_drafts();
+  void note_acceptance(Sequence &seq, int matched);
   void process_spec_seq(const SchedulerOutput &out, size_t i, const int64_t *tokens, const float *logprobs);
   void emit_output(Sequence &seq, int32_t token, int row, const float *logprobs, bool stopped);
   void finalize_batch(SchedulerOutput &out);
@@ -171,6 +176,8 @@ class Scheduler {
   std::unordered_map<std::string, std::shared_ptr<Sequence>> by_request_;
   std::shared_ptr<RequestOutputPool> pool_;
   SchedulerStats stats_;
+  float draft_min_accepted_ = -1.f;  // set_draft_backoff
+  int draft_pause_tokens_ = 0;
   int64_t step_id_ = 0;
   int64_t last_processed_step_ = 0;
   int64_t next_seq_id_ = 1;

@@ -45,7 +45,7 @@ std::vector<std::shared_ptr<Sequence>> Scheduler::draft_candidates() const {
   std::vector<std::shared_ptr<Sequence>> out;
   for (const auto &seq : running_) {
     if (seq->is_finished() || !seq->limits.allow_drafts || seq->num_pending != 0 || seq->num_uncomputed() != 1 ||
-        seq->done_by_length(max_seq_len_))
+        seq->done_by_length(max_seq_len_) || seq->data.get_len() < seq->draft_resume_len)
       continue;
     out.push_back(seq);
   }
@@ -78,6 +78,23 @@ int Scheduler::propose_ngram(int k, int min_n, int max_n) {
   return n;
 }
 
+void Scheduler::set_draft_backoff(float min_accepted, int pause_tokens) {
+  if (pause_tokens < 1) throw std::invalid_argument("set_draft_backoff: pause_tokens must be >= 1");
+  draft_min_accepted_ = min_accepted;
+  draft_pause_tokens_ = pause_tokens;
+}
+
+// A verification step's drafts cost the step a row each whether accepted or not: on a CPU
+// decode step of SmolLM2, 4 rows take ~1.5x one row, 6 rows ~1.8x, so a sequence whose
+// drafts are mostly rejected (ordinary prose under prompt lookup) makes its steps slower
+// than not drafting. Its recent average (each step weighs 1/2) decides; a paused sequence
+// gets one probe every pause_tokens tokens, so a copy that starts later is still found.
+void Scheduler::note_acceptance(Sequence &seq, int matched) {
+  if (draft_min_accepted_ < 0.f) return;
+  seq.draft_accept_avg = seq.draft_accept_avg < 0.f ? matched : 0.5f * (seq.draft_accept_avg + matched);
+  if (seq.draft_accept_avg < draft_min_accepted_) seq.draft_resume_len = seq.data.get_len() + draft_pause_tokens_;
+}
+
 // How many of its drafts a decode-ready sequence may feed now: none with a token in flight
 // (its drafts would not follow it), and never more than it may still append (max_tokens,
 // the context) minus the target's own token, nor more than the step's token budget.
@@ -108,6 +125,7 @@ void Scheduler::process_spec_seq(const SchedulerOutput &out, size_t i, const int
   stats_.spec_num_accepted_tokens += matched;
   if (static_cast<int>(stats_.spec_accepted_per_pos.size()) < k) stats_.spec_accepted_per_pos.resize(k, 0);
   for (int j = 0; j < matched; ++j) ++stats_.spec_accepted_per_pos[j];
+  note_acceptance(seq, matched);
 
   --seq.num_pending;
   for (int j = 0; j <= matched; ++j) {

@@ -85,6 +85,11 @@ class Sequence {
   // Draft tokens to verify after the last token in the next decode step (speculative
   // decoding); set by a proposer before schedule(), consumed or dropped by it.
   std::vector<int32_t> draft_token_ids;
+  // Drafts it recently got accepted: an average over its verification steps (-1: none
+  // yet), and the length it must reach before drafting again after a poor run
+  // (Scheduler::set_draft_backoff).
+  float draft_accept_avg = -1.f;
+  int draft_resume_len = 0;
 
   std::vector<int32_t> block_table;
   int num_hashed_blocks = 0;    // leading full blocks already keyed in the prefix cache

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # --threshold on the 2-core development machine: n-gram always on gains 1.01-1.27x at 1-8
 # requests on ordinary prompts and loses from 16 (0.81x) (README, "Speculative decoding").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Per request, drafting pauses while its verification steps accept fewer drafts than this
+# on average: each draft is a row of the step whether accepted or not (on 2 cores 4 rows
+# cost ~1.5x one row, 6 rows ~1.8x), so ordinary prose under prompt lookup (0.5-0.9
+# accepted a step) ran 0.86-0.98x of no speculation at batch 1. A paused request probes
+# again after DRAFT_PAUSE_TOKENS tokens.
+DEFAULT_DISABLE_BY_ACCEPTANCE = 1.0
+DRAFT_PAUSE_TOKENS = 16
 
 
 class SpeculativeConfig(BaseModel):
@@ -28,6 +35,11 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int | None = Field(
         DEFAULT_DISABLE_BY_BATCH_SIZE, ge=1,
         description="no drafting while more requests than this are running (None: never off)")
+    disable_by_acceptance: float | None = Field(
+        DEFAULT_DISABLE_BY_ACCEPTANCE, ge=0.0,
+        description=f"per request, drafting pauses for {DRAFT_PAUSE_TOKENS} tokens whenever its verification "
+                    "steps accept fewer than this many drafts on average (recent steps weigh most), then tries "
+                    "again (None: never)")
 
     @model_validator(mode="before")
     @classmethod

@@ -4,6 +4,8 @@ reports the counters.
 Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
 - above `disable_by_batch_size` running requests, no drafts: the step is an ordinary
   decode step, deferred by ZOS as usual;
+- a request whose drafts are mostly rejected (`disable_by_acceptance`) is no draft
+  candidate for a while (Scheduler::set_draft_backoff): it decodes one token a step;
 - otherwise the proposer sets drafts and the step is not deferred: the next step's drafts
   need this step's accepted tokens on the host, and how many are accepted is known only
   after verification. (A sequence whose token is still in flight from a deferred step gets
@@ -27,7 +29,7 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.layers.sampler import SamplingBatch
 from deepinfer_dp.sampling_params import SamplingParams
-from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from deepinfer_dp.spec_decode.config import DRAFT_PAUSE_TOKENS, SpeculativeConfig, parse_speculative_config
 from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer, TargetStep
 from deepinfer_dp.spec_decode.rejection import DraftRows
 
@@ -134,6 +136,8 @@ def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
                          f"must fit one KV block (block_size={runner.block_size}): the placeholder step's "
                          "draft padding lives in the reserved block 0")
     runner.placeholder_tokens = 1 + config.num_speculative_tokens
+    if config.disable_by_acceptance is not None:
+        engine.scheduler.set_draft_backoff(config.disable_by_acceptance, DRAFT_PAUSE_TOKENS)
     if config.method == "ngram":
         return Speculator(config)
     if config.method == "draft_model":

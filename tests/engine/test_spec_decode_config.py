@@ -9,7 +9,7 @@ import pytest
 
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import ConfigError, add_config_args, load_config, load_config_file
-from deepinfer_dp.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from deepinfer_dp.spec_decode.config import DEFAULT_DISABLE_BY_ACCEPTANCE, DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -20,7 +20,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_flag_yaml_and_keyword_agree(tmp_path):
     want = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-            "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE, "model": None}
+            "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE,
+            "disable_by_acceptance": DEFAULT_DISABLE_BY_ACCEPTANCE, "model": None}
     flag = load_config(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
     path = tmp_path / "spec.yaml"
     path.write_text("speculative_config: {method: ngram, num_speculative_tokens: 3}\n")

@@ -24,7 +24,7 @@ GREEDY = dict(temperature=0.0)
 
 def draft(path, k: int, **kw) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
-            "disable_by_batch_size": None, **kw}
+            "disable_by_batch_size": None, "disable_by_acceptance": None, **kw}
 
 
 def perturbed_copy(src: Path, out: Path, scale: float, seed: int = 1) -> Path:
