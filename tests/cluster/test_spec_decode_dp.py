@@ -12,7 +12,9 @@ from dp_utils import ENGINE, PROMPTS, token_ids
 from deepinfer_dp.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+# Drafting on every step (no auto-off of either kind): both ranks must verify drafts.
+ALWAYS = {"disable_by_batch_size": None, "disable_by_acceptance": None}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2, **ALWAYS}
 
 
 @pytest.mark.slow
@@ -22,7 +24,7 @@ def test_dp2_speculation_on_both_ranks_matches_dp1(tiny_model_dir, ray_cluster, 
 
     # draft_model: the target drafting for itself, each rank with its own draft cache
     spec = SPEC if method == "ngram" else {"method": "draft_model", "model": str(tiny_model_dir),
-                                           "num_speculative_tokens": 3}
+                                           "num_speculative_tokens": 3, **ALWAYS}
 
     dp1 = LLM(str(tiny_model_dir), decode_sequence=False, **ENGINE)
     want = token_ids(dp1.generate(PROMPTS, PARAMS, use_tqdm=False))

@@ -23,7 +23,8 @@ TOPICS = ["the sea", "a robot", "paged attention", "tea", "mountains", "a lighth
 
 
 def spec(model, k: int) -> dict:
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, "disable_by_batch_size": None}
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, "disable_by_batch_size": None,
+            "disable_by_acceptance": None}
 
 
 @pytest.fixture(scope="module")

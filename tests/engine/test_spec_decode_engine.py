@@ -13,7 +13,10 @@ GREEDY = dict(temperature=0.0)
 
 
 def ngram(k: int, **kw) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **kw}
+    """Drafting on every step (no auto-off of either kind) unless kw says otherwise: these
+    tests check what verification does to the outputs, so the drafts must be there."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": None, "disable_by_acceptance": None, **kw}
 
 
 def run(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:

@@ -70,7 +70,8 @@ def test_sampling_distribution_is_the_same_with_speculation(tiny_model_dir):
     off = LLM(tiny_model_dir, **engine)
     greedy = token_ids(off.generate(prompt_token_ids=[PROMPT], use_tqdm=False,
                                     sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))[0]
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None,
+            "disable_by_acceptance": None}
     on = LLM(tiny_model_dir, speculative_config=spec, **engine)
     oracle = GreedyOracle(greedy)
     on.llm_engine.speculator.proposer = oracle
