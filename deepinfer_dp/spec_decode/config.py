@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # disable_by_batch_size): verifying K drafts per sequence stops being nearly free once the
 # step is no longer bound by reading the weights. Measured with benchmarks/spec_decode.py
 # (--batches 1 2 4 8 16 --k 3 5) on the 2-core development machine, with the acceptance
-# back-off below in force: n-gram on ordinary prompts 1.00-1.14x at 1-4 requests and 0.91-0.95x
-# at 8 (repetition prompts still gained there, 1.07-1.24x) (README, "Speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# back-off below in force, on ordinary prompts: n-gram 1.03-1.14x at 1-2 requests, 0.87-1.02x
+# at 4 (K=3 lost there in two runs of three) and 0.91-0.95x at 8 (README, "Speculative decoding").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 # Per request, drafting pauses while its verification steps accept fewer drafts than this
 # on average: each draft is a row of the step whether accepted or not (on 2 cores 4 rows
 # cost ~1.5x one row, 6 rows ~1.8x), so ordinary prose under prompt lookup (0.5-0.9

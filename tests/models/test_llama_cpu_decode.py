@@ -55,7 +55,8 @@ def test_speculative_verification_steps_equal_the_modules(tmp_path, monkeypatch)
     """n-gram drafts make steps of K + 1 tokens a sequence: the loop takes them too."""
     model_dir = str(build_tiny_model("llama-gqa", tmp_path / "llama"))
     spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                   "prompt_lookup_max": 2}}
+                                   "prompt_lookup_max": 2, "disable_by_batch_size": None,
+                                   "disable_by_acceptance": None}}
     ids_on, hidden_on, _ = hidden_per_step(model_dir, monkeypatch, True, 2, **spec)
     ids_off, hidden_off, _ = hidden_per_step(model_dir, monkeypatch, False, 2, **spec)
     assert ids_on == ids_off
