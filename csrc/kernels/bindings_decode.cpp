@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,8 +83,10 @@ class DecodeStack {
   F32 run(const F32 &embeddings, const F32 &cos, const F32 &sin, const I64 &slots, const I32 &block_tables,
           const I32 &context_lens, const std::optional<I32> &query_rows, int threads) {
     need(caches_bound_, "caches are not set (set_caches after the last add_layer)");
+    need(embeddings.ndim() == 2 && embeddings.shape(0) > 0 && embeddings.shape(0) <= INT_MAX &&
+             embeddings.shape(1) == shape_.hidden,
+         "embeddings must be [T > 0, hidden]");
     const int T = static_cast<int>(embeddings.shape(0));
-    need(embeddings.ndim() == 2 && T > 0 && embeddings.shape(1) == shape_.hidden, "embeddings must be [T > 0, hidden]");
     need(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
              cos.shape(1) == shape_.head_dim && sin.shape(1) == shape_.head_dim,
          "cos and sin must be [T, head_dim]");
