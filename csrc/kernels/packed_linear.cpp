@@ -11,7 +11,7 @@
 namespace deepinfer {
 
 namespace {
-// Weight rows widened at a time for 7 and more input rows: 12 rows of SmolLM2's 576 columns
+// Weight rows widened at a time for 9 and more input rows: 12 rows of SmolLM2's 576 columns
 // (27 KB) and a group of 4 input rows stay in L1 together. Timed side by side against groups
 // of 3 (one thread, thread CPU time, 64 input rows): 1.05-1.24x on the Q4_1 layers and the
 // Q8_0 lm_head, the same floats.
@@ -19,8 +19,9 @@ constexpr int kGroupRows = 12;
 // Input rows up to which each weight block is widened in registers and used at once. Both
 // paths timed side by side on SmolLM2's Q4_1 gate_up (one thread, thread CPU time): the
 // fused one is 1.2-1.4x faster at 2-6 rows, even at 8, and slower at 16, where cpu_linear's
-// 3 x 4 register tiles on widened rows reuse each loaded input vector three times.
-constexpr int kFewRows = 6;
+// 3 x 4 register tiles on widened rows reuse each loaded input vector three times. With
+// several weight rows per pass (below) it is 1.1-1.3x faster again at 7 and 8 rows.
+constexpr int kFewRows = 8;
 constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernels prefetch
 // Packed bytes per thread below which splitting is not worth waking a worker (about what
 // the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
@@ -37,90 +38,76 @@ DEEPINFER_AVX2_FN float sum8(__m256 a) {
   return _mm_cvtss_f32(h);
 }
 
-// One input row against NB weight rows of format F, widening each block in registers
-// straight into the multiply-adds: at batch 1 the widening is most of the work, and a round
-// trip through the buffer would double it. Each output is the same chain of fused
+// MB input rows against NB weight rows of format F, widening each weight block in registers
+// straight into the multiply-adds: at a few rows the widening is most of the work, and a
+// round trip through a row buffer would double it. Each output is the same chain of fused
 // multiply-adds over K in steps of 8 as in cpu_linear's tiles, so the floats equal the
-// buffered path's. Four rows at once keep four independent chains in flight, which hides
-// the multiply-add latency; the format is a template argument so no per-block test remains.
-template <class F, int NB>
-DEEPINFER_AVX2_FN void rows_one_input(const float *x, const PackedMatrix &w, const float *bias, float *y, int n) {
+// buffered path's. A chain waits out the multiply-add's latency at every step, so NB x MB
+// independent chains are kept in flight (at least 8: two multiply-add pipes, 4 cycles each);
+// the format is a template argument so no per-block test remains.
+template <class F, int MB, int NB>
+DEEPINFER_AVX2_FN void rows_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int n) {
+  const int K = w.cols;
   const uint8_t *rows[NB];
-  __m256 acc[NB], wv[4];
-  for (int i = 0; i < NB; ++i) {
-    rows[i] = w.data + static_cast<size_t>(n + i) * w.row_bytes;
-    acc[i] = _mm256_setzero_ps();
+  __m256 acc[NB][MB];
+  for (int b = 0; b < NB; ++b) {
+    rows[b] = w.data + static_cast<size_t>(n + b) * w.row_bytes;
+    for (int j = 0; j < MB; ++j) acc[b][j] = _mm256_setzero_ps();
   }
-  for (int k = 0; k < w.cols; k += 32) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8), x2 = _mm256_loadu_ps(x + k + 16),
-                 x3 = _mm256_loadu_ps(x + k + 24);
-    for (int i = 0; i < NB; ++i) {
+  __m256 wv[4], xv[4];
+  for (int k = 0; k < K; k += 32) {
+    // At one input row its block stays in registers for all NB weight rows (fewer loads next
+    // to the widening's own); at more rows the loads go into the multiply-adds.
+    if (MB == 1)
+      for (int i = 0; i < 4; ++i) xv[i] = _mm256_loadu_ps(x + k + 8 * i);
+    // One weight row's block at a time, so only its four vectors are live next to the
+    // accumulators; the chains of the other rows overlap it out of order.
+    for (int b = 0; b < NB; ++b) {
       // The rows after this group, one block at a time: at one input row the kernel is
       // bound by memory, and the hardware prefetcher alone leaves half the bandwidth unused.
-      _mm_prefetch(reinterpret_cast<const char *>(rows[i] + kAheadRows * w.row_bytes), _MM_HINT_T0);
-      F::widen(rows[i], wv);
-      rows[i] += F::kBytes;
-      acc[i] = _mm256_fmadd_ps(wv[0], x0, acc[i]);
-      acc[i] = _mm256_fmadd_ps(wv[1], x1, acc[i]);
-      acc[i] = _mm256_fmadd_ps(wv[2], x2, acc[i]);
-      acc[i] = _mm256_fmadd_ps(wv[3], x3, acc[i]);
+      _mm_prefetch(reinterpret_cast<const char *>(rows[b] + kAheadRows * w.row_bytes), _MM_HINT_T0);
+      F::widen(rows[b], wv);
+      rows[b] += F::kBytes;
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < MB; ++j)
+          acc[b][j] = _mm256_fmadd_ps(
+              wv[i], MB == 1 ? xv[i] : _mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i), acc[b][j]);
     }
   }
-  for (int i = 0; i < NB; ++i) {
-    const float s = sum8(acc[i]);
-    y[n + i] = bias ? s + bias[n + i] : s;
-  }
-}
-
-template <class F>
-__attribute__((target("avx2,fma,f16c"))) void columns_one_input(const float *x, const PackedMatrix &w,
-                                                                const float *bias, float *y, int n0, int n1) {
-  int n = n0;
-  for (; n + 4 <= n1; n += 4) rows_one_input<F, 4>(x, w, bias, y, n);
-  for (; n < n1; ++n) rows_one_input<F, 1>(x, w, bias, y, n);
-}
-
-// MB input rows against one weight row of format F: each block is widened once into
-// registers and used by every input row (x stays in L1). Each output's chain of multiply-adds
-// is the same as in cpu_linear's tiles, so the floats are the same.
-template <class F, int MB>
-DEEPINFER_AVX2_FN void row_few_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int n) {
-  const int K = w.cols;
-  const uint8_t *row = w.data + static_cast<size_t>(n) * w.row_bytes;
-  __m256 acc[MB], wv[4];
-  for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_ps();
-  for (int k = 0; k < K; k += 32, row += F::kBytes) {
-    _mm_prefetch(reinterpret_cast<const char *>(row + kAheadRows * w.row_bytes), _MM_HINT_T0);
-    F::widen(row, wv);
+  for (int b = 0; b < NB; ++b) {
     for (int j = 0; j < MB; ++j) {
-      const float *xj = x + static_cast<size_t>(j) * K + k;
-      acc[j] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xj), acc[j]);
-      acc[j] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xj + 8), acc[j]);
-      acc[j] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xj + 16), acc[j]);
-      acc[j] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xj + 24), acc[j]);
+      const float s = sum8(acc[b][j]);
+      y[static_cast<size_t>(j) * w.rows + n + b] = bias ? s + bias[n + b] : s;
     }
   }
-  for (int j = 0; j < MB; ++j) {
-    const float s = sum8(acc[j]);
-    y[static_cast<size_t>(j) * w.rows + n] = bias ? s + bias[n] : s;
-  }
 }
 
-template <class F, int MB>
-__attribute__((target("avx2,fma,f16c"))) void columns_few(const float *x, const PackedMatrix &w, const float *bias,
-                                                          float *y, int n0, int n1) {
-  for (int n = n0; n < n1; ++n) row_few_inputs<F, MB>(x, w, bias, y, n);
+template <class F, int MB, int NB>
+__attribute__((target("avx2,fma,f16c"))) void columns_inputs(const float *x, const PackedMatrix &w,
+                                                             const float *bias, float *y, int n0, int n1) {
+  int n = n0;
+  for (; n + NB <= n1; n += NB) rows_inputs<F, MB, NB>(x, w, bias, y, n);
+  for (; n < n1; ++n) rows_inputs<F, MB, 1>(x, w, bias, y, n);
 }
 
+// Weight rows per pass for each input-row count: enough chains in flight, and the
+// accumulators plus the widened blocks within (or just past) the 16 vector registers.
 template <class F>
 void few_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  constexpr bool kWideBlocks = F::kBytes > 32;  // Q8_0 (34 bytes) and bf16 (64)
   switch (M) {
-    case 1: return columns_one_input<F>(x, w, bias, y, n0, n1);
-    case 2: return columns_few<F, 2>(x, w, bias, y, n0, n1);
-    case 3: return columns_few<F, 3>(x, w, bias, y, n0, n1);
-    case 4: return columns_few<F, 4>(x, w, bias, y, n0, n1);
-    case 5: return columns_few<F, 5>(x, w, bias, y, n0, n1);
-    default: return columns_few<F, kFewRows>(x, w, bias, y, n0, n1);
+    case 1: return columns_inputs<F, 1, 4>(x, w, bias, y, n0, n1);
+    case 2: return columns_inputs<F, 2, 4>(x, w, bias, y, n0, n1);
+    case 3: return columns_inputs<F, 3, 3>(x, w, bias, y, n0, n1);
+    // Q8_0's widening loads four times as many bytes; its chains at 4 and 5 rows measured
+    // slower paired.
+    case 4: return kWideBlocks ? columns_inputs<F, 4, 1>(x, w, bias, y, n0, n1)
+                               : columns_inputs<F, 4, 2>(x, w, bias, y, n0, n1);
+    case 5: return kWideBlocks ? columns_inputs<F, 5, 1>(x, w, bias, y, n0, n1)
+                               : columns_inputs<F, 5, 2>(x, w, bias, y, n0, n1);
+    case 6: return columns_inputs<F, 6, 1>(x, w, bias, y, n0, n1);
+    case 7: return columns_inputs<F, 7, 1>(x, w, bias, y, n0, n1);
+    default: return columns_inputs<F, kFewRows, 1>(x, w, bias, y, n0, n1);
   }
 }
 

@@ -4,8 +4,9 @@
 // in the L1 cache and then goes through the fp32 register tiles of cpu_linear.h against
 // every input row, so the result is bit for bit what linear_columns gives on the widened
 // matrix, whatever the row count or the thread split, while memory carries only the packed
-// bytes (Q4_1: 5 bits a weight instead of 32). At one input row (batch 1) the blocks are
-// widened in registers straight into the same chain of multiply-adds, with no buffer.
+// bytes (Q4_1: 5 bits a weight instead of 32). At up to 8 input rows (decode, speculative
+// verification) the blocks are widened in registers straight into the same chains of
+// multiply-adds, with no buffer.
 //
 // This is the API other CPU kernels (MoE experts) call: "a packed weight matrix times fp32
 // rows".

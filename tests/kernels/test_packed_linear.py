@@ -73,10 +73,12 @@ def fp32_kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-# 1-6 input rows take the fused kernel (blocks widened in registers), 7 and up the buffered one.
+# 1-8 input rows take the fused kernel (blocks widened in registers, 1-4 weight rows per pass),
+# 9 and up the buffered one.
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (1, 37, 64, True), (2, 41, 576, True),
                                         (3, 9, 1536, False), (5, 66, 96, True), (6, 31, 576, False),
-                                        (7, 20, 576, True), (13, 50, 1536, True), (64, 7, 64, False)])
+                                        (7, 20, 576, True), (4, 43, 576, True), (8, 19, 576, False),
+                                        (9, 22, 96, True), (13, 50, 1536, True), (64, 7, 64, False)])
 def test_product_equals_fp32_kernel_on_widened_weights(fmt, m, n, k, bias):
     w, ref = packed_matrix(fmt, n, k)
     g = torch.Generator().manual_seed(1)
@@ -94,7 +96,7 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(fmt):
         assert torch.equal(packed_kernel(x, w, None, threads=threads), whole)
     for i in (0, 5, 12):
         assert torch.equal(packed_kernel(x[i:i + 1].clone(), w, None), whole[i:i + 1])
-        for rows in (2, 3, 4, 6, 7):
+        for rows in (2, 3, 4, 5, 6, 7, 8, 9):
             assert torch.equal(packed_kernel(x[i:i + rows].clone(), w, None, threads=2), whole[i:i + rows])
 
 
