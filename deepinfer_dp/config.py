@@ -56,6 +56,9 @@ class EngineConfig:
     num_kv_blocks: int | None = Field(None, ge=2, description="KV cache blocks (default: as many as "
                                                               "kv_cache_memory_gb holds)")
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="memory for the paged KV cache")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="element type of the KV cache (auto: dtype's); bfloat16 under float32 halves "
+                            "the cache and what attention reads, computing in fp32 (not MLA models)")
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + output (default: the "
                                                               "model's, capped at 8192)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
@@ -107,6 +110,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return self.torch_dtype() if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
     def resolved_threads(self) -> int | None:
         if self.torch_threads is not None:

@@ -32,7 +32,7 @@ class DecodeStack {
  public:
   DecodeStack(int hidden, int heads, int kv_heads, int head_dim, int intermediate, float eps, const F32 &final_norm,
               float final_eps)
-      : shape_{hidden, heads, kv_heads, head_dim, intermediate, 0, 0, eps}, final_norm_(final_norm),
+      : shape_{hidden, heads, kv_heads, head_dim, intermediate, 0, 0, KvDtype::kF32, eps}, final_norm_(final_norm),
         final_eps_(final_eps) {
     need(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && intermediate > 0, "sizes must be positive");
     need(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
@@ -62,20 +62,27 @@ class DecodeStack {
     caches_bound_ = false;
   }
 
-  // One K and one V cache per layer, each [num_blocks, block_size, kv_heads, head_dim] float32.
-  void set_caches(const std::vector<F32> &k, const std::vector<F32> &v) {
+  // One K and one V cache per layer, each [num_blocks, block_size, kv_heads, head_dim]: float32,
+  // or bf16 viewed as uint16 (kv_cache_dtype), the same in every layer. Checked as given, never
+  // converted: the step writes into them.
+  void set_caches(const std::vector<py::array> &k, const std::vector<py::array> &v) {
     need(!layers_.empty() && k.size() == layers_.size() && v.size() == layers_.size(), "one K and V cache per layer");
+    const bool bf16 = k[0].dtype().is(py::dtype::of<uint16_t>());
+    need(bf16 || k[0].dtype().is(py::dtype::of<float>()), "caches must be float32, or bf16 viewed as uint16");
     for (size_t i = 0; i < k.size(); ++i) {
-      for (const F32 *c : {&k[i], &v[i]})
+      for (const py::array *c : {&k[i], &v[i]})
         need(c->ndim() == 4 && c->shape(0) == k[0].shape(0) && c->shape(1) == k[0].shape(1) &&
-                 c->shape(2) == shape_.kv_heads && c->shape(3) == shape_.head_dim && c->writeable(),
-             "caches must be writable [num_blocks, block_size, kv_heads, head_dim], alike in every layer");
-      layers_[i].k_cache = const_cast<float *>(k[i].data());
-      layers_[i].v_cache = const_cast<float *>(v[i].data());
+                 c->shape(2) == shape_.kv_heads && c->shape(3) == shape_.head_dim && c->writeable() &&
+                 (c->flags() & py::array::c_style) && c->dtype().is(k[0].dtype()),
+             "caches must be writable C-contiguous [num_blocks, block_size, kv_heads, head_dim], alike in every "
+             "layer");
+      layers_[i].k_cache = const_cast<void *>(k[i].data());  // checked writable above
+      layers_[i].v_cache = const_cast<void *>(v[i].data());
     }
     need(k[0].shape(0) > 0 && k[0].shape(1) > 0, "caches must hold blocks");
     shape_.num_blocks = static_cast<int>(k[0].shape(0));
     shape_.block_size = static_cast<int>(k[0].shape(1));
+    shape_.kv_dtype = bf16 ? KvDtype::kBF16 : KvDtype::kF32;
     caches_ = {k, v};
     caches_bound_ = true;
   }
@@ -160,7 +167,7 @@ class DecodeStack {
   F32 final_norm_;
   float final_eps_;
   std::vector<py::object> keep_;  // the arrays the layers point into
-  std::vector<std::vector<F32>> caches_;
+  std::vector<std::vector<py::array>> caches_;
   bool caches_bound_ = false;
 };
 

@@ -8,6 +8,7 @@
 #include <climits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_fused_ops.h"
@@ -23,6 +24,7 @@ namespace {
 
 using F32 = py::array_t<float, py::array::c_style>;
 using I32 = py::array_t<int32_t, py::array::c_style>;
+using U16 = py::array_t<uint16_t, py::array::c_style>;  // a bf16 cache, viewed as uint16
 
 // Every check raises ValueError("<op>: <what was wrong>").
 void need(bool ok, const char *op, const std::string &what) {
@@ -37,7 +39,8 @@ int dim(const py::array &a, int d, const char *op) {
   return static_cast<int>(a.shape(d));
 }
 
-PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
+template <class Cache>
+PagedAttentionShape check_shapes(const F32 &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
                                  const I32 &context_lens, const F32 &out) {
   require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
               block_tables.ndim() == 2 && context_lens.ndim() == 1,
@@ -65,7 +68,9 @@ PagedAttentionShape check_shapes(const F32 &q, const F32 &k_cache, const F32 &v_
   return s;
 }
 
-void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, const I32 &block_tables,
+// Cache: F32, or U16 for a bf16 cache (the overload pybind11 picks by the caches' dtype).
+template <class Cache>
+void paged_attention_py(const F32 &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
                         const I32 &context_lens, F32 &out, float scale, int num_threads,
                         const std::optional<I32> &query_rows) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
@@ -86,9 +91,11 @@ void paged_attention_py(const F32 &q, const F32 &k_cache, const F32 &v_cache, co
   require(error.empty(), error);
   require(static_cast<int64_t>(s.num_queries) * s.num_kv_heads <= INT_MAX, "too many queries x KV heads");
   float *dst = out.mutable_data();
-  const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
+  const float *qp = q.data();
+  const void *kp = k_cache.data(), *vp = v_cache.data();
+  const KvDtype dtype = std::is_same<Cache, U16>::value ? KvDtype::kBF16 : KvDtype::kF32;
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  paged_attention_threaded(s, qp, kp, vp, tables, rows, lens, scale, dst, num_threads);
+  paged_attention_threaded(s, qp, kp, vp, dtype, tables, rows, lens, scale, dst, num_threads);
 }
 
 void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
@@ -211,7 +218,7 @@ void bind_kernels(py::module_ &m) {
         "considers the tokens allowed by bitmask[i] (int32 [M, W], W * 32 >= V; bit b of word w allows\n"
         "token 32 * w + b, xgrammar's and llguidance's layout): the argmax of x with the others set to\n"
         "-inf, ties and NaN as in argmax, without copying x. Other rows: plain argmax.");
-  m.def("paged_attention", &paged_attention_py, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
+  m.def("paged_attention", &paged_attention_py<F32>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
         py::arg("query_rows").noconvert() = py::none(),
@@ -220,6 +227,12 @@ void bind_kernels(py::module_ &m) {
         "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
         "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous.\n"
         "num_threads > 1 splits the queries across that many threads (the caller's and the pool's).");
+  m.def("paged_attention", &paged_attention_py<U16>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
+        py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
+        py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
+        py::arg("query_rows").noconvert() = py::none(),
+        "The same over bf16 caches, viewed as uint16 (kv_cache_dtype=bfloat16): each element widened\n"
+        "exactly to fp32 as it is read.");
   m.def("linear", &linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
         py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]), float32, C-contiguous; for the small M of decode\n"

@@ -42,12 +42,12 @@ void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &ste
   for (int t = 0; t < T; ++t) {
     const float *row = b.qkv.data() + static_cast<size_t>(t) * width;
     std::memcpy(b.q.data() + static_cast<size_t>(t) * s.heads * D, row, q_bytes);
-    std::memcpy(L.k_cache + step.slots[t] * kv, row + s.heads * D, sizeof(float) * kv);
-    std::memcpy(L.v_cache + step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, sizeof(float) * kv);
+    kv_store(L.k_cache, s.kv_dtype, step.slots[t] * kv, row + s.heads * D, kv);
+    kv_store(L.v_cache, s.kv_dtype, step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, kv);
   }
   const PagedAttentionShape ps{T, step.num_rows, s.heads, s.kv_heads, D, s.block_size, step.max_blocks,
                                s.num_blocks};
-  paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, step.block_tables, step.query_rows,
+  paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, s.kv_dtype, step.block_tables, step.query_rows,
                            step.context_lens, L.scale, b.attn.data(), threads);
 }
 

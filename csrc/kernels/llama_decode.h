@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "packed_weights.h"
+#include "paged_attention.h"
 
 namespace deepinfer {
 
@@ -26,13 +27,14 @@ struct DecodeLinear {
 struct DecodeLayer {
   DecodeLinear qkv, o, gate_up, down;  // qkv: q heads, then k, then v; gate_up: gate, then up
   const float *input_norm = nullptr, *post_norm = nullptr;
-  float *k_cache = nullptr, *v_cache = nullptr;  // [num_blocks, block_size, kv_heads, head_dim]
+  void *k_cache = nullptr, *v_cache = nullptr;  // [num_blocks, block_size, kv_heads, head_dim] of kv_dtype
   float scale = 1.f;                              // attention scale
 };
 
 struct DecodeShape {
   int hidden, heads, kv_heads, head_dim, intermediate;
   int block_size, num_blocks;  // of every layer's cache
+  KvDtype kv_dtype;            // likewise
   float eps;                   // the layers' RMSNorm epsilon
 };
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -66,16 +67,26 @@ std::vector<int> split_by_length(const std::vector<Span> &spans, const int32_t *
   return cuts;
 }
 
-// Where a sequence's position t sits in one layer's cache, for KV head 0.
+// Where a sequence's position t sits in one layer's cache, for KV head 0. T is the cache's
+// element: float, or uint16_t holding bf16.
+template <class T>
 struct PagedRows {
-  const float *cache;
+  const T *cache;
   const int32_t *blocks;
   int block_size;
-  size_t row;  // floats per cached position: num_kv_heads * head_dim
-  const float *at(int t) const {
+  size_t row;  // elements per cached position: num_kv_heads * head_dim
+  const T *at(int t) const {
     return cache + (static_cast<size_t>(blocks[t / block_size]) * block_size + t % block_size) * row;
   }
 };
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // The queries of one span, for one KV head: their heads of that KV head, outputs, contexts.
 struct QueryChunk {
@@ -96,19 +107,20 @@ void softmax(float *sc, int n) {
 }
 
 // Portable path, any head size: one query head over its KV head's positions.
-void attend_head_scalar(const float *q, const PagedRows &k, const PagedRows &v, int seq_len, int dim, float scale,
-                        float *scores, float *out) {
+template <class T>
+void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T> &v, int seq_len, int dim,
+                        float scale, float *scores, float *out) {
   for (int t = 0; t < seq_len; ++t) {
-    const float *kt = k.at(t);
+    const T *kt = k.at(t);
     float sum = 0.f;
-    for (int i = 0; i < dim; ++i) sum += q[i] * kt[i];
+    for (int i = 0; i < dim; ++i) sum += q[i] * widen(kt[i]);
     scores[t] = sum * scale;
   }
   softmax(scores, seq_len);
   std::fill(out, out + dim, 0.f);
   for (int t = 0; t < seq_len; ++t) {
-    const float *vt = v.at(t);
-    for (int i = 0; i < dim; ++i) out[i] += scores[t] * vt[i];
+    const T *vt = v.at(t);
+    for (int i = 0; i < dim; ++i) out[i] += scores[t] * widen(vt[i]);
   }
 }
 
@@ -133,6 +145,13 @@ AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+// Eight cache elements from p on, as fp32.
+AVX2_INLINE __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+AVX2_INLINE __m256 load8(const uint16_t *p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 AVX2_INLINE float hsum(__m256 a) {
@@ -168,9 +187,8 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
 
 // The scores of one query head against n positions from kt on, into sh (8 positions at a
 // time end in one tree of horizontal adds, the rest one by one).
-template <int D>
-AVX2_INLINE void head_scores(const float *qh, const float *kt, size_t row, int n, __m256 sv, float scale,
-                             float *sh) {
+template <int D, class T>
+AVX2_INLINE void head_scores(const float *qh, const T *kt, size_t row, int n, __m256 sv, float scale, float *sh) {
   constexpr int R = D / 8;
   int i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -178,26 +196,26 @@ AVX2_INLINE void head_scores(const float *qh, const float *kt, size_t row, int n
     for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
-      for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + (i + p) * row + 8 * r), acc[p]);
+      for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, load8(kt + (i + p) * row + 8 * r), acc[p]);
     }
     _mm256_storeu_ps(sh + i, _mm256_mul_ps(hsum8x8(acc), sv));
   }
   for (; i < n; ++i) {
     __m256 acc = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), _mm256_loadu_ps(kt + i * row + 8 * r), acc);
+    for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), load8(kt + i * row + 8 * r), acc);
     sh[i] = hsum(acc) * scale;
   }
 }
 
 // out[0, D) += the n probabilities ph times the V rows from vt on.
-template <int D>
-AVX2_INLINE void head_values(const float *ph, const float *vt, size_t row, int n, float *out) {
+template <int D, class T>
+AVX2_INLINE void head_values(const float *ph, const T *vt, size_t row, int n, float *out) {
   constexpr int R = D / 8;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + 8 * r);
   for (int i = 0; i < n; ++i, vt += row) {
     const __m256 w = _mm256_set1_ps(ph[i]);
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, load8(vt + 8 * r), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
@@ -209,18 +227,18 @@ AVX2_INLINE void head_values(const float *ph, const float *vt, size_t row, int n
 // by all of them (at long contexts attention is bound by reading the cache). Each query
 // stops at its own context length, with the block-by-block split it would have alone, so its
 // floats do not depend on the queries around it.
-template <int D>
-__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, int group, const PagedRows &k,
-                                                           const PagedRows &v, float scale, float *scores) {
+template <int D, class T>
+__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, int group, const PagedRows<T> &k,
+                                                           const PagedRows<T> &v, float scale, float *scores) {
   const __m256 sv = _mm256_set1_ps(scale);
   const int longest = *std::max_element(c.lens, c.lens + c.count);
   const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * group + h) * longest; };
   for (int t0 = 0; t0 < longest; t0 += k.block_size) {
-    const float *kt = k.at(t0);
+    const T *kt = k.at(t0);
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(k.block_size, c.lens[j] - t0);
       for (int h = 0; h < group && n > 0; ++h)
-        head_scores<D>(c.q + j * c.q_stride + h * D, kt, k.row, n, sv, scale, scores_of(j, h) + t0);
+        head_scores<D, T>(c.q + j * c.q_stride + h * D, kt, k.row, n, sv, scale, scores_of(j, h) + t0);
     }
   }
   for (int j = 0; j < c.count; ++j) {
@@ -228,11 +246,11 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + group * D, 0.f);
   }
   for (int t0 = 0; t0 < longest; t0 += v.block_size) {
-    const float *vt = v.at(t0);
+    const T *vt = v.at(t0);
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(v.block_size, c.lens[j] - t0);
       for (int h = 0; h < group && n > 0; ++h)
-        head_values<D>(scores_of(j, h) + t0, vt, v.row, n, c.out + j * c.q_stride + h * D);
+        head_values<D, T>(scores_of(j, h) + t0, vt, v.row, n, c.out + j * c.q_stride + h * D);
     }
   }
 }
@@ -240,13 +258,15 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
 
 // Attends the `group` query heads of KV head k/v of every query of the chunk; scores holds
 // count * group * (longest context) floats.
-using ChunkFn = void (*)(const QueryChunk &, int, const PagedRows &, const PagedRows &, float, float *);
+template <class T>
+using ChunkFn = void (*)(const QueryChunk &, int, const PagedRows<T> &, const PagedRows<T> &, float, float *);
 
-ChunkFn pick_chunk_fn(int head_dim) {
+template <class T>
+ChunkFn<T> pick_chunk_fn(int head_dim) {
 #ifdef DEEPINFER_HAVE_AVX2
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (head_dim == 64) return &attend_chunk_avx2<64>;
-    if (head_dim == 128) return &attend_chunk_avx2<128>;
+    if (head_dim == 64) return &attend_chunk_avx2<64, T>;
+    if (head_dim == 128) return &attend_chunk_avx2<128, T>;
   }
 #endif
   (void)head_dim;
@@ -255,13 +275,14 @@ ChunkFn pick_chunk_fn(int head_dim) {
 
 // Units [begin, end): unit u = (span u / num_kv_heads, KV head u % num_kv_heads), each
 // computed by one thread in a fixed order, whatever the split.
-void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, const float *q, const float *k_cache,
-                  const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+template <class T>
+void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, const float *q, const T *k_cache,
+                  const T *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                   const int32_t *context_lens, float scale, float *out, int begin, int end) {
   const int group = s.num_heads / s.num_kv_heads;
   const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
-  const ChunkFn fast = pick_chunk_fn(s.head_dim);
+  const ChunkFn<T> fast = pick_chunk_fn<T>(s.head_dim);
   std::vector<float> scores;
   for (int u = begin; u < end; ++u) {
     const Span &sp = spans[u / s.num_kv_heads];
@@ -269,7 +290,7 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
     const int32_t *lens = context_lens + i;
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
-    PagedRows k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
+    PagedRows<T> k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
     const size_t first = i * stride + static_cast<size_t>(g) * group * D;
     const QueryChunk chunk{q + first, out + first, stride, lens, sp.count};
     scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * group * sp.count);
@@ -306,14 +327,35 @@ std::string paged_context_error(const PagedAttentionShape &s, const int32_t *blo
   return "";
 }
 
-void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const float *k_cache,
-                              const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+uint16_t bf16_from_float(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN: the canonical quiet NaN, as torch gives
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_t n) {
+  if (dtype == KvDtype::kF32) {
+    std::memcpy(static_cast<float *>(cache) + offset, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t *dst = static_cast<uint16_t *>(cache) + offset;
+  for (size_t i = 0; i < n; ++i) dst[i] = bf16_from_float(src[i]);
+}
+
+void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const void *k_cache, const void *v_cache,
+                              KvDtype dtype, const int32_t *block_tables, const int32_t *query_rows,
                               const int32_t *context_lens, float scale, float *out, int threads) {
   const std::vector<Span> spans = query_spans(query_rows, s.num_queries);
   const std::vector<int> cuts = split_by_length(spans, context_lens, s.num_kv_heads, threads);
   shared_pool(threads).run(static_cast<int>(cuts.size()) - 1, threads, [&](int c) {
-    attend_units(s, spans, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out, cuts[c],
-                 cuts[c + 1]);
+    if (dtype == KvDtype::kBF16)
+      attend_units(s, spans, q, static_cast<const uint16_t *>(k_cache), static_cast<const uint16_t *>(v_cache),
+                   block_tables, query_rows, context_lens, scale, out, cuts[c], cuts[c + 1]);
+    else
+      attend_units(s, spans, q, static_cast<const float *>(k_cache), static_cast<const float *>(v_cache),
+                   block_tables, query_rows, context_lens, scale, out, cuts[c], cuts[c + 1]);
   });
 }
 

@@ -2,13 +2,26 @@
 // few tokens on top of a cached prefix), reading K/V in place through the block tables. The
 // plain-torch path first gathers every sequence's blocks into a padded copy and then runs
 // SDPA over it per sequence; for short queries that copy and SDPA's setup cost several times
-// the arithmetic. Plain C++ on raw fp32 buffers, no PyTorch.
+// the arithmetic. Plain C++ on raw buffers, no PyTorch: queries and outputs in fp32, the
+// cache in fp32 or bf16 (kv_cache_dtype), widened exactly to fp32 as it is read.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 namespace deepinfer {
+
+// A KV cache's element type. bf16 is the top half of an fp32: widening it back is exact, so
+// the kernel's arithmetic on a bf16 cache equals the fp32 path's on that cache widened.
+enum class KvDtype { kF32, kBF16 };
+
+// An fp32 value rounded to bf16 (to nearest, ties to even; NaN stays NaN), as torch's
+// .to(torch.bfloat16) rounds it.
+uint16_t bf16_from_float(float x);
+
+// Stores n fp32 values at element `offset` of a cache of element type `dtype`.
+void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_t n);
 
 struct PagedAttentionShape {
   int num_queries;   // T: query tokens, each with its own context
@@ -21,16 +34,18 @@ struct PagedAttentionShape {
   int num_blocks;    // blocks in the cache, for bounds checks
 };
 
-// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [S, max_blocks];
+// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] of element type `dtype`;
+// block_tables [S, max_blocks];
 // query_rows [T]: the block-table row of each query (nullptr: query t uses row t, decode);
 // context_lens [T]: positions query t attends to, its own included (causal: a prompt's
 // query at position p has p + 1), all already stored in the cache; out [T, H, D].
 // Split across up to `threads` threads of the shared pool into ranges of about equal
 // context (one range when the batch is too small to pay); each query's result is the same
 // whatever the split and whatever other queries the call holds.
-void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, const float *k_cache,
-                              const float *v_cache, const int32_t *block_tables, const int32_t *query_rows,
-                              const int32_t *context_lens, float scale, float *out, int threads);
+void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, const void *k_cache,
+                              const void *v_cache, KvDtype dtype, const int32_t *block_tables,
+                              const int32_t *query_rows, const int32_t *context_lens, float scale, float *out,
+                              int threads);
 
 // What is wrong with the contexts of a call, or "" when nothing is: every query's row lies in
 // the block table, its context length in [1, the row's capacity] (and under 2^24), and the

@@ -39,7 +39,7 @@ from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode import speculator
 from deepinfer_dp.structured_output.backend import GrammarBackend
 from deepinfer_dp.structured_output.manager import StructuredOutputManager
-from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, num_kv_blocks_for
+from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, kv_cache_dtype_for, num_kv_blocks_for
 from deepinfer_dp.worker.worker import StepState, Worker
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,9 @@ class LLMEngine:
         # a draft model's (or MTP head's) own KV cache comes out of the same budget
         draft_per_block = speculator.kv_bytes_per_block(config.speculative_config, self.hf_config,
                                                         config.block_size, config.torch_dtype())
-        num_blocks = num_kv_blocks_for(config, loaded, config.torch_dtype(), self.max_model_len, draft_per_block)
-        check_kv_capacity(config, loaded, config.torch_dtype(), num_blocks, self.max_model_len, draft_per_block)
+        cache_dtype = kv_cache_dtype_for(config, self.hf_config)
+        num_blocks = num_kv_blocks_for(config, loaded, cache_dtype, self.max_model_len, draft_per_block)
+        check_kv_capacity(config, loaded, cache_dtype, num_blocks, self.max_model_len, draft_per_block)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,

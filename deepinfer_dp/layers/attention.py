@@ -140,6 +140,7 @@ def _attention_with_context(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             scale: float) -> torch.Tensor:
     """Causal attention of the last q.shape[0] positions over keys of all seq_len positions."""
     qlen, seq_len = q.shape[0], keys.shape[0]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache (kv_cache_dtype) under fp32 compute
     # Query i sits at absolute position seq_len - qlen + i and sees keys at positions <= it.
     q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -175,7 +176,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (CPU_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32)
+            and k_cache.dtype in (torch.float32, torch.bfloat16))
+
+
+def cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache as the kernels take it: fp32 as is, bf16 viewed as uint16 (same memory)."""
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -183,7 +189,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """The C++ kernel: each query row attends over its own context, read in place through
     the block tables (no gathered copy, no per-sequence SDPA setup), on torch's threads."""
     out = torch.empty_like(q)
-    _C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+    _C.paged_attention(q.contiguous().numpy(), cache_array(k_cache), cache_array(v_cache), block_tables.numpy(),
                        context_lens, out.numpy(), scale, cpu_threads.wide_threads() or torch.get_num_threads(),
                        query_rows)
     return out
@@ -211,8 +217,8 @@ def _gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     blocks, mask = _decode_layout(md, k_cache.shape[1])
     # index_select copies whole blocks (several times faster than advanced indexing on
     # CPU); the transpose to [S, Hkv, L, D] stays a view, SDPA reads it strided.
-    keys = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).to(q.dtype)
+    values = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).to(q.dtype)
     # GQA without copying K/V per query head: the `group` query heads that share a KV head
     # become `group` query rows of that head (HF's repeat_kv maps head h to KV head h // group).
     q = q.reshape(num_seqs, num_kv_heads, group, head_dim)

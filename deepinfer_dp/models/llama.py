@@ -62,11 +62,12 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dty
     if is_mla(config):
         return allocate_mla_cache(config, num_blocks, block_size, dtype, device)
     shape = kv_cache_shape(config, num_blocks, block_size)
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed
         # pages as blocks are first written, so the cache is resident only as far as it has
-        # been used; torch.zeros would write every page now.
-        whole = torch.from_numpy(np.zeros((num_layers(config), 2, *shape), dtype=np.float32))
+        # been used; torch.zeros would write every page now. (bf16: zeroed uint16, viewed.)
+        np_dtype = np.float32 if dtype == torch.float32 else np.uint16
+        whole = torch.from_numpy(np.zeros((num_layers(config), 2, *shape), dtype=np_dtype)).view(dtype)
         return [(layer[0], layer[1]) for layer in whole]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers(config))]

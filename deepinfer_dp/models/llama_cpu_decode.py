@@ -86,7 +86,7 @@ class LlamaCpuDecode:
         few = not md.is_prefill or md.max_query_len <= attention.KERNEL_MAX_QUERY_LEN
         return (ENABLED and attention.CPU_KERNEL and few and not md.is_placeholder
                 and input_ids.device.type == "cpu" and attn.k_cache is not None
-                and attn.k_cache.dtype == torch.float32 and 0 < input_ids.numel() <= self.max_rows)
+                and attn.k_cache.dtype in (torch.float32, torch.bfloat16) and 0 < input_ids.numel() <= self.max_rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  md: attention.AttentionMetadata) -> torch.Tensor:
@@ -94,7 +94,8 @@ class LlamaCpuDecode:
         caches = [a.k_cache for a in self.attns]
         if len(caches) != len(self._caches) or any(c is not d for c, d in zip(caches, self._caches, strict=True)):
             # (Re)bound since the stack last saw them.
-            self.stack.set_caches([c.numpy() for c in caches], [a.v_cache.numpy() for a in self.attns])
+            self.stack.set_caches([attention.cache_array(c) for c in caches],
+                                  [attention.cache_array(a.v_cache) for a in self.attns])
             self._caches = caches
         threads = cpu_threads.wide_threads() or torch.get_num_threads()
         hidden = self.model.embed_tokens(input_ids).numpy()

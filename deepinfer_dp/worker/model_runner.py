@@ -45,6 +45,25 @@ class ModelInput:
     observe_target: bool = False  # a speculative step: the proposer's network (target_observer) sees it
 
 
+def kv_cache_dtype_for(config: EngineConfig, hf_config) -> torch.dtype:
+    """The KV cache's element type: the compute dtype, or (kv_cache_dtype="bfloat16") bf16 under
+    fp32 compute on the CPU, where the kernels widen it exactly as they read it. Any other
+    mix is refused by name rather than run on a path that was never built for it."""
+    cache, compute = config.kv_cache_torch_dtype(), config.torch_dtype()
+    if cache == compute:
+        return cache
+    from deepinfer_dp.layers.mla import is_mla
+
+    if cache != torch.bfloat16 or compute != torch.float32 or config.torch_device().type != "cpu":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} with dtype={compute} on "
+                         f"{config.torch_device().type} is not supported: a cache type other than the compute "
+                         "dtype's is bfloat16 under float32 on the CPU only (or use kv_cache_dtype=auto)")
+    if is_mla(hf_config):
+        raise ValueError("kv_cache_dtype=bfloat16 is not supported for MLA models (DeepSeek's latent cache): "
+                         "use kv_cache_dtype=auto")
+    return cache
+
+
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, max_model_len: int,
                       draft_bytes_per_block: int = 0) -> int:
     """Blocks in the KV cache: as configured, or as many as kv_cache_memory_gb holds, but no
@@ -96,13 +115,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.vocab_size = loaded.hf_config.vocab_size
-        dtype = next(self.model.parameters()).dtype
         self.cpu_threads = torch.get_num_threads()  # as the engine set it
         if self.device.type == "cpu":
             keep_freed_memory()
-        if self.device.type == "cpu" and dtype == torch.float32 and config.cpu_linear_kernel:
+        if self.device.type == "cpu" and next(self.model.parameters()).dtype == torch.float32 \
+                and config.cpu_linear_kernel:
             replace_linears(self.model)
-        self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, dtype, self.device)
+        cache_dtype = kv_cache_dtype_for(config, loaded.hf_config)
+        self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, cache_dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
         # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft padding).
         self.placeholder_tokens = 1
