@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <functional>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -114,7 +115,19 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
   linear_threaded(xp, wp, bp, yp, M, N, K, num_threads);
 }
 
-void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out) {
+// Rows [0, T) in up to `threads` contiguous ranges on the shared pool (one range under
+// kMinRowsPerThread rows a thread: waking a worker costs more). Each row is computed alone,
+// so the floats do not depend on the split.
+constexpr int kMinRowsPerThread = 16;
+void split_rows(int T, int threads, const std::function<void(int, int)> &rows) {
+  const int parts = std::max(1, std::min(threads, T / kMinRowsPerThread));
+  if (parts == 1) return rows(0, T);
+  const int step = (T + parts - 1) / parts;
+  shared_pool(parts).run(parts, parts, [&](int p) { rows(std::min(T, p * step), std::min(T, (p + 1) * step)); });
+}
+
+void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out,
+                 int num_threads) {
   need(x.ndim() == 2 && out.ndim() == 2 && weight.ndim() == 1, "rms_norm", "want x/out [T, H], weight [H]");
   const int T = dim(x, 0, "rms_norm"), H = dim(x, 1, "rms_norm");
   need(H > 0, "rms_norm", "the hidden size must be non-zero");
@@ -122,24 +135,29 @@ void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, 
   need(!residual || (residual->ndim() == 2 && residual->shape(0) == T && residual->shape(1) == H), "rms_norm",
        "residual must have x's shape");
   need(out.writeable() && (!residual || x.writeable()), "rms_norm", "out (and x, with a residual) must be writable");
+  need(num_threads >= 1, "rms_norm", "num_threads must be >= 1");
   float *xp = residual ? x.mutable_data() : const_cast<float *>(x.data());
   const float *rp = residual ? residual->data() : nullptr, *wp = weight.data();
   float *op = out.mutable_data();
   py::gil_scoped_release release;
-  rms_norm_rows(xp, rp, wp, eps, op, H, 0, T);
+  split_rows(T, num_threads, [&](int begin, int end) { rms_norm_rows(xp, rp, wp, eps, op, H, begin, end); });
 }
 
-void silu_mul_py(const F32 &gate_up, F32 &out) {
+void silu_mul_py(const F32 &gate_up, F32 &out, int num_threads) {
   need(gate_up.ndim() == 2 && out.ndim() == 2, "silu_mul", "want gate_up [T, 2I], out [T, I]");
   const int T = dim(gate_up, 0, "silu_mul"), I = dim(out, 1, "silu_mul");
   need(gate_up.shape(1) == 2 * static_cast<int64_t>(I) && out.shape(0) == T, "silu_mul",
        "gate_up must be [T, 2I] for out [T, I]");
   need(out.writeable(), "silu_mul", "out must be writable");
+  need(num_threads >= 1, "silu_mul", "num_threads must be >= 1");
   const float *g = gate_up.data();
   float *o = out.mutable_data();
   py::gil_scoped_release release;
-  for (int t = 0; t < T; ++t)
-    silu_mul(g + static_cast<size_t>(t) * 2 * I, g + static_cast<size_t>(t) * 2 * I + I, o + static_cast<size_t>(t) * I, I);
+  split_rows(T, num_threads, [&](int begin, int end) {
+    for (int t = begin; t < end; ++t)
+      silu_mul(g + static_cast<size_t>(t) * 2 * I, g + static_cast<size_t>(t) * 2 * I + I,
+               o + static_cast<size_t>(t) * I, I);
+  });
 }
 
 void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
@@ -201,12 +219,15 @@ py::array_t<int64_t> masked_argmax_py(const F32 &x, const py::array_t<int64_t, p
 
 void bind_kernels(py::module_ &m) {
   m.def("rms_norm", &rms_norm_py, py::arg("x").noconvert(), py::arg("residual").noconvert(), py::arg("weight").noconvert(),
-        py::arg("eps"), py::arg("out").noconvert(),
+        py::arg("eps"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "out = RMSNorm(x) * weight over rows of x [T, H] float32; with residual [T, H], x += residual first\n"
-        "(in place: the decoder's residual stream), then the norm of the sum.");
+        "(in place: the decoder's residual stream), then the norm of the sum. num_threads > 1 splits\n"
+        "the rows (each row's floats are the same whatever the split).");
   m.def("silu_mul", &silu_mul_py, py::arg("gate_up").noconvert(), py::arg("out").noconvert(),
+        py::arg("num_threads") = 1,
         "out[t] = silu(gate_up[t, :I]) * gate_up[t, I:] over gate_up [T, 2I] float32 (e^x by Cephes'\n"
-        "polynomial, the same for every element): the Llama MLP's activation on CPU.");
+        "polynomial, the same for every element): the Llama MLP's activation on CPU. num_threads > 1\n"
+        "splits the rows.");
   m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
         "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"
         "inside a fused qkv output) with cos/sin [T, D].");

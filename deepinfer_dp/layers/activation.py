@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.cpu_threads import kernel_threads
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.device.type == "cpu" and gate_up.dtype == torch.float32:
         rows = gate_up.reshape(-1, 2 * size).contiguous()
         out = torch.empty(rows.shape[0], size)
-        _C.silu_mul(rows.numpy(), out.numpy())
+        _C.silu_mul(rows.numpy(), out.numpy(), kernel_threads())
         return out.view(*gate_up.shape[:-1], size)
     gate, up = gate_up.split(size, dim=-1)
     return F.silu(gate) * up

@@ -35,6 +35,11 @@ def wide_threads() -> int:
     return getattr(_state, "wide", 0)
 
 
+def kernel_threads() -> int:
+    """Threads for a C++ kernel call now: the step's when narrowed, else torch's count."""
+    return wide_threads() or torch.get_num_threads()
+
+
 @contextmanager
 def narrow_step(threads: int, num_tokens: int) -> Iterator[None]:
     """Runs the body with torch on one thread and wide_threads() == threads, when the step

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.cpu_threads import kernel_threads
 
 
 def _on_cpu_kernel(x: torch.Tensor) -> bool:
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
         if _on_cpu_kernel(x):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             out = torch.empty_like(rows)
-            _C.rms_norm(rows.numpy(), None, self._weight_view(), self.eps, out.numpy())
+            _C.rms_norm(rows.numpy(), None, self._weight_view(), self.eps, out.numpy(), kernel_threads())
             return out.view(x.shape)
         if x.dtype == torch.float32:  # one fused kernel, the same math as below
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
         if _on_cpu_kernel(x) and x.is_contiguous() and residual.is_contiguous():
             rows, out = x.view(-1, x.shape[-1]), torch.empty_like(x)
             _C.rms_norm(rows.numpy(), residual.view(rows.shape).numpy(), self._weight_view(), self.eps,
-                        out.view(rows.shape).numpy())
+                        out.view(rows.shape).numpy(), kernel_threads())
             return x, out
         total = x + residual
         return total, self(total)

@@ -92,10 +92,9 @@ def test_decode_stack_equals_the_modules_on_a_bf16_cache(llama_dir, monkeypatch)
 def test_bf16_cache_against_fp32_within_tolerance_and_twice_the_blocks(llama_dir, monkeypatch):
     _, logits32, llm32 = run(llama_dir, monkeypatch, "auto")
     _, logits16, llm16 = run(llama_dir, monkeypatch, "bfloat16")
-    # Step 0 is the prefill, over the fresh fp32 K/V: the same. Step 1 is the first decode step
-    # (the same input tokens on both), the first to read K/V back from the cache.
-    assert torch.equal(logits16[0], logits32[0])
-    for step in (1, 2, 3):  # the decode steps before the greedy paths could part
+    # Step 0 is the prefill, step 1 the first decode step (the same input tokens on both);
+    # each reads K/V back from the cache (the prefill too, in the kernel: a small step).
+    for step in (0, 1, 2, 3):  # the steps before the greedy paths could part
         diff = (logits16[step] - logits32[step]).abs().max().item()
         assert 0 < diff <= LOGIT_REL_TOL * logits32[step].abs().max().item(), (step, diff)
     blocks32 = llm32.rank_stats()[0]["num_usable_blocks"]
