@@ -12,7 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # (--batches 1 2 4 8 16 --k 3 5) on the 2-core development machine, with the acceptance
 # back-off below in force, on ordinary prompts: n-gram 1.03-1.14x at 1-2 requests, 0.87-1.02x
 # at 4 (K=3 lost there in two runs of three) and 0.91-0.95x at 8 (README, "Speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+# Once the packed kernel kept 8 multiply-add chains in flight at 2-8 rows, a plain step of two
+# sequences got 1.3x cheaper and drafting at 2 lost: 0.82x (K=5) and 0.87x (K=7) on ordinary
+# prompts, best of 3 rounds, against 1.04x / 1.11x at 1. So drafting is for a lone request.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 # Per request, drafting pauses while its verification steps accept fewer drafts than this
 # on average: each draft is a row of the step whether accepted or not (on 2 cores 4 rows
 # cost ~1.5x one row, 6 rows ~1.8x), so ordinary prose under prompt lookup (0.5-0.9

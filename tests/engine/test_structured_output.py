@@ -192,8 +192,10 @@ def test_constrained_requests_beside_speculating_ones(tiny_model_dir, llm):
     params = _params(0.0) + [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
     prompts = [*PROMPTS, repetitive]
     plain = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    # both auto-offs off: the drafting request must draft beside the constrained ones
     spec = LLM(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                                   "disable_by_batch_size": None, "disable_by_acceptance": None})
     try:
         got = spec.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         stats = spec.rank_stats()[0]
