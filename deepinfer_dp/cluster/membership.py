@@ -120,10 +120,17 @@ class Membership:
         if self.liveness is None:
             return
         with self._lock:
+            if self._closed:
+                return
             candidates = [r.dp_rank for r in self.ranks if r.up]
         # All at once, each dead rank handled as soon as its answer comes: a ping to a busy
         # rank can take a while, and must not delay failing a dead one's requests.
-        pings = {self._pool.submit(self.liveness.alive, i): i for i in candidates}
+        try:
+            pings = {self._pool.submit(self.liveness.alive, i): i for i in candidates}
+        except RuntimeError:
+            if self._closed:  # close() shut the pool while this check ran: nothing left to watch
+                return
+            raise
         dead = []
         for done in as_completed(pings):
             if not done.result():
