@@ -194,7 +194,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the block tables (no gathered copy, no per-sequence SDPA setup), on torch's threads."""
     out = torch.empty_like(q)
     _C.paged_attention(q.contiguous().numpy(), cache_array(k_cache), cache_array(v_cache), block_tables.numpy(),
-                       context_lens, out.numpy(), scale, cpu_threads.wide_threads() or torch.get_num_threads(),
+                       context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
                        query_rows)
     return out
 

@@ -45,7 +45,7 @@ class CpuLinear(nn.Module):
         x2 = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features)
         _C.linear(x2.numpy(), self._weight_np, self._bias_np, out.numpy(),
-                  cpu_threads.wide_threads() or torch.get_num_threads())
+                  cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

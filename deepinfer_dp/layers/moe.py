@@ -115,7 +115,7 @@ class FusedMoE(nn.Module):
             out = torch.empty(x.shape[0], self.hidden_size)
             rows = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (a received buffer)
             _C.moe_experts(rows.numpy(), local.numpy(), weights.numpy(), self.w13.detach().numpy(),
-                           self.w2.detach().numpy(), out.numpy(), cpu_threads.wide_threads() or torch.get_num_threads())
+                           self.w2.detach().numpy(), out.numpy(), cpu_threads.kernel_threads())
             return out
         return experts_torch(x, local, weights, self.w13, self.w2)
 

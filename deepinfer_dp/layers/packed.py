@@ -119,11 +119,11 @@ class PackedLinear(nn.Module):
             w = self.weight_packed
             bias = None if self.bias is None else self.bias.detach().numpy()
             _C.packed_linear(x2.numpy(), w.data, w.format, w.cols, bias, out.numpy(),
-                             cpu_threads.wide_threads() or torch.get_num_threads())
+                             cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        w, threads = self.weight_packed, cpu_threads.wide_threads() or torch.get_num_threads()
+        w, threads = self.weight_packed, cpu_threads.kernel_threads()
         step = max(1, WIDEN_CHUNK_FLOATS // w.cols)
         with cpu_threads.wide():
             if step >= w.rows:

@@ -97,7 +97,7 @@ class LlamaCpuDecode:
             self.stack.set_caches([attention.cache_array(c) for c in caches],
                                   [attention.cache_array(a.v_cache) for a in self.attns])
             self._caches = caches
-        threads = cpu_threads.wide_threads() or torch.get_num_threads()
+        threads = cpu_threads.kernel_threads()
         hidden = self.model.embed_tokens(input_ids).numpy()
         cos_table, sin_table = self.rotary._cos_sin(torch.device("cpu"), torch.float32)
         pos = positions.numpy()
