@@ -28,6 +28,9 @@ constexpr int32_t kMaxContext = 1 << 24;
 // kChunkQueries of them so that even one sequence's chunks keep both threads busy.
 constexpr int kChunkQueries = 3;
 
+// Spans a thread needs before units take whole spans rather than one KV head of one.
+constexpr int kMinSpansPerThread = 4;
+
 struct Span {
   int first, count;
 };
@@ -43,7 +46,7 @@ std::vector<Span> query_spans(const int32_t *rows, int n) {
   return spans;
 }
 
-// Cuts the units (span u / per_span, KV head u % per_span) into up to `parts` ranges
+// Cuts the units (span u / per_span, its KV heads part u % per_span) into up to `parts` ranges
 // [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its queries'
 // contexts), so the threads finish together; one range when the batch is too small to pay
 // for waking a worker. Units rather than spans, so that even one long sequence (its KV
@@ -95,6 +98,7 @@ struct QueryChunk {
   size_t q_stride;      // floats between queries: num_heads * head_dim
   const int32_t *lens;  // the queries' context lengths
   int count;
+  int heads, group;     // query heads of the unit; query head h reads KV head h / group of it
 };
 
 // Softmax of `n` scores in place.
@@ -228,38 +232,39 @@ AVX2_INLINE void head_values(const float *ph, const T *vt, size_t row, int n, fl
 // stops at its own context length, with the block-by-block split it would have alone, so its
 // floats do not depend on the queries around it.
 template <int D, class T>
-__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, int group, const PagedRows<T> &k,
+__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, const PagedRows<T> &k,
                                                            const PagedRows<T> &v, float scale, float *scores) {
   const __m256 sv = _mm256_set1_ps(scale);
   const int longest = *std::max_element(c.lens, c.lens + c.count);
-  const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * group + h) * longest; };
+  const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * c.heads + h) * longest; };
   for (int t0 = 0; t0 < longest; t0 += k.block_size) {
     const T *kt = k.at(t0);
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(k.block_size, c.lens[j] - t0);
-      for (int h = 0; h < group && n > 0; ++h)
-        head_scores<D, T>(c.q + j * c.q_stride + h * D, kt, k.row, n, sv, scale, scores_of(j, h) + t0);
+      for (int h = 0; h < c.heads && n > 0; ++h)
+        head_scores<D, T>(c.q + j * c.q_stride + h * D, kt + h / c.group * D, k.row, n, sv, scale,
+                          scores_of(j, h) + t0);
     }
   }
   for (int j = 0; j < c.count; ++j) {
-    for (int h = 0; h < group; ++h) softmax_avx2(scores_of(j, h), c.lens[j]);
-    std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + group * D, 0.f);
+    for (int h = 0; h < c.heads; ++h) softmax_avx2(scores_of(j, h), c.lens[j]);
+    std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + c.heads * D, 0.f);
   }
   for (int t0 = 0; t0 < longest; t0 += v.block_size) {
     const T *vt = v.at(t0);
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(v.block_size, c.lens[j] - t0);
-      for (int h = 0; h < group && n > 0; ++h)
-        head_values<D, T>(scores_of(j, h) + t0, vt, v.row, n, c.out + j * c.q_stride + h * D);
+      for (int h = 0; h < c.heads && n > 0; ++h)
+        head_values<D, T>(scores_of(j, h) + t0, vt + h / c.group * D, v.row, n, c.out + j * c.q_stride + h * D);
     }
   }
 }
 #endif
 
-// Attends the `group` query heads of KV head k/v of every query of the chunk; scores holds
-// count * group * (longest context) floats.
+// Attends the chunk's query heads of every query of the chunk, k/v at its first KV head;
+// scores holds count * heads * (longest context) floats.
 template <class T>
-using ChunkFn = void (*)(const QueryChunk &, int, const PagedRows<T> &, const PagedRows<T> &, float, float *);
+using ChunkFn = void (*)(const QueryChunk &, const PagedRows<T> &, const PagedRows<T> &, float, float *);
 
 template <class T>
 ChunkFn<T> pick_chunk_fn(int head_dim) {
@@ -273,35 +278,41 @@ ChunkFn<T> pick_chunk_fn(int head_dim) {
   return nullptr;
 }
 
-// Units [begin, end): unit u = (span u / num_kv_heads, KV head u % num_kv_heads), each
-// computed by one thread in a fixed order, whatever the split.
+// Units [begin, end): unit u = the KV heads [g, g + kv_per) of span u / per_span, where
+// kv_per = num_kv_heads / per_span and g = (u % per_span) * kv_per; each unit is computed by
+// one thread in a fixed order, whatever the split, and every query head's floats are the same
+// whichever unit holds it.
 template <class T>
-void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, const float *q, const T *k_cache,
-                  const T *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, int per_span, const float *q,
+                  const T *k_cache, const T *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                   const int32_t *context_lens, float scale, float *out, int begin, int end) {
-  const int group = s.num_heads / s.num_kv_heads;
+  const int group = s.num_heads / s.num_kv_heads, kv_per = s.num_kv_heads / per_span;
   const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
   const ChunkFn<T> fast = pick_chunk_fn<T>(s.head_dim);
   std::vector<float> scores;
   for (int u = begin; u < end; ++u) {
-    const Span &sp = spans[u / s.num_kv_heads];
-    const int g = u % s.num_kv_heads, i = sp.first;
+    const Span &sp = spans[u / per_span];
+    const int g = u % per_span * kv_per, i = sp.first;
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
     const int32_t *lens = context_lens + i;
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
     PagedRows<T> k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
     const size_t first = i * stride + static_cast<size_t>(g) * group * D;
-    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count};
-    scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * group * sp.count);
+    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, kv_per * group, group};
+    scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * chunk.heads * sp.count);
     if (fast) {
-      fast(chunk, group, k, v, scale, scores.data());
+      fast(chunk, k, v, scale, scores.data());
       continue;
     }
     for (int j = 0; j < sp.count; ++j)
-      for (int h = 0; h < group; ++h)
-        attend_head_scalar(chunk.q + j * stride + h * D, k, v, lens[j], s.head_dim, scale, scores.data(),
+      for (int h = 0; h < chunk.heads; ++h) {
+        PagedRows<T> kh = k, vh = v;
+        kh.cache += h / group * D;
+        vh.cache += h / group * D;
+        attend_head_scalar(chunk.q + j * stride + h * D, kh, vh, lens[j], s.head_dim, scale, scores.data(),
                            chunk.out + j * stride + h * D);
+      }
   }
 }
 
@@ -348,13 +359,17 @@ void paged_attention_threaded(const PagedAttentionShape &s, const float *q, cons
                               KvDtype dtype, const int32_t *block_tables, const int32_t *query_rows,
                               const int32_t *context_lens, float scale, float *out, int threads) {
   const std::vector<Span> spans = query_spans(query_rows, s.num_queries);
-  const std::vector<int> cuts = split_by_length(spans, context_lens, s.num_kv_heads, threads);
+  // Enough spans to share among the threads: each takes all its KV heads in one pass, so its
+  // cache blocks are read front to back (one KV head's rows alone are a strided stream).
+  const int per_span = static_cast<int>(spans.size()) >= kMinSpansPerThread * threads ? 1 : s.num_kv_heads;
+  const std::vector<int> cuts = split_by_length(spans, context_lens, per_span, threads);
   shared_pool(threads).run(static_cast<int>(cuts.size()) - 1, threads, [&](int c) {
     if (dtype == KvDtype::kBF16)
-      attend_units(s, spans, q, static_cast<const uint16_t *>(k_cache), static_cast<const uint16_t *>(v_cache),
-                   block_tables, query_rows, context_lens, scale, out, cuts[c], cuts[c + 1]);
+      attend_units(s, spans, per_span, q, static_cast<const uint16_t *>(k_cache),
+                   static_cast<const uint16_t *>(v_cache), block_tables, query_rows, context_lens, scale, out,
+                   cuts[c], cuts[c + 1]);
     else
-      attend_units(s, spans, q, static_cast<const float *>(k_cache), static_cast<const float *>(v_cache),
+      attend_units(s, spans, per_span, q, static_cast<const float *>(k_cache), static_cast<const float *>(v_cache),
                    block_tables, query_rows, context_lens, scale, out, cuts[c], cuts[c + 1]);
   });
 }
