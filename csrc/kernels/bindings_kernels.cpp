@@ -115,17 +115,6 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
   linear_threaded(xp, wp, bp, yp, M, N, K, num_threads);
 }
 
-// Rows [0, T) in up to `threads` contiguous ranges on the shared pool (one range under
-// kMinRowsPerThread rows a thread: waking a worker costs more). Each row is computed alone,
-// so the floats do not depend on the split.
-constexpr int kMinRowsPerThread = 16;
-void split_rows(int T, int threads, const std::function<void(int, int)> &rows) {
-  const int parts = std::max(1, std::min(threads, T / kMinRowsPerThread));
-  if (parts == 1) return rows(0, T);
-  const int step = (T + parts - 1) / parts;
-  shared_pool(parts).run(parts, parts, [&](int p) { rows(std::min(T, p * step), std::min(T, (p + 1) * step)); });
-}
-
 void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out,
                  int num_threads) {
   need(x.ndim() == 2 && out.ndim() == 2 && weight.ndim() == 1, "rms_norm", "want x/out [T, H], weight [H]");

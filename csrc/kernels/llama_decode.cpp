@@ -7,6 +7,7 @@
 #include "cpu_linear.h"
 #include "packed_linear.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace deepinfer {
 
@@ -36,15 +37,17 @@ struct Buffers {
 void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &step, Buffers &b, int threads) {
   const int T = step.tokens, D = s.head_dim, width = (s.heads + 2 * s.kv_heads) * D;
   project(L.qkv, b.normed.data(), b.qkv.data(), T, threads);
-  rotary_rows(b.qkv.data(), width, s.heads, D, step.cos, step.sin, 0, T);
-  rotary_rows(b.qkv.data() + s.heads * D, width, s.kv_heads, D, step.cos, step.sin, 0, T);
   const size_t q_bytes = sizeof(float) * s.heads * D, kv = static_cast<size_t>(s.kv_heads) * D;
-  for (int t = 0; t < T; ++t) {
-    const float *row = b.qkv.data() + static_cast<size_t>(t) * width;
-    std::memcpy(b.q.data() + static_cast<size_t>(t) * s.heads * D, row, q_bytes);
-    kv_store(L.k_cache, s.kv_dtype, step.slots[t] * kv, row + s.heads * D, kv);
-    kv_store(L.v_cache, s.kv_dtype, step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, kv);
-  }
+  split_rows(T, threads, [&](int begin, int end) {
+    rotary_rows(b.qkv.data(), width, s.heads, D, step.cos, step.sin, begin, end);
+    rotary_rows(b.qkv.data() + s.heads * D, width, s.kv_heads, D, step.cos, step.sin, begin, end);
+    for (int t = begin; t < end; ++t) {
+      const float *row = b.qkv.data() + static_cast<size_t>(t) * width;
+      std::memcpy(b.q.data() + static_cast<size_t>(t) * s.heads * D, row, q_bytes);
+      kv_store(L.k_cache, s.kv_dtype, step.slots[t] * kv, row + s.heads * D, kv);
+      kv_store(L.v_cache, s.kv_dtype, step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, kv);
+    }
+  });
   const PagedAttentionShape ps{T, step.num_rows, s.heads, s.kv_heads, D, s.block_size, step.max_blocks,
                                s.num_blocks};
   paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, s.kv_dtype, step.block_tables, step.query_rows,
@@ -55,10 +58,12 @@ void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &ste
 void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *out, int threads) {
   const int I = s.intermediate;
   project(L.gate_up, b.normed.data(), b.gate_up.data(), T, threads);
-  for (int t = 0; t < T; ++t) {
-    const float *g = b.gate_up.data() + static_cast<size_t>(t) * 2 * I;
-    silu_mul(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
-  }
+  split_rows(T, threads, [&](int begin, int end) {
+    for (int t = begin; t < end; ++t) {
+      const float *g = b.gate_up.data() + static_cast<size_t>(t) * 2 * I;
+      silu_mul(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
+    }
+  });
   project(L.down, b.act.data(), out, T, threads);
 }
 
@@ -71,17 +76,20 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
   // The residual stream lives in `res`; each sublayer writes its output into `next`, adds
   // the stream into it (rms_norm_rows' residual) and becomes the stream.
   float *res = hidden, *next = b.other.data();
-  rms_norm_rows(res, nullptr, layers[0].input_norm, s.eps, b.normed.data(), H, 0, T);
+  const auto norm = [&](float *x, const float *residual, const float *weight, float eps, float *y) {
+    split_rows(T, threads, [&](int begin, int end) { rms_norm_rows(x, residual, weight, eps, y, H, begin, end); });
+  };
+  norm(res, nullptr, layers[0].input_norm, s.eps, b.normed.data());
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayer &L = layers[i];
     attention(s, L, step, b, threads);
     project(L.o, b.attn.data(), next, T, threads);
-    rms_norm_rows(next, res, L.post_norm, s.eps, b.normed.data(), H, 0, T);
+    norm(next, res, L.post_norm, s.eps, b.normed.data());
     std::swap(res, next);
     mlp(s, L, T, b, next, threads);
     const bool last = i + 1 == layers.size();
-    rms_norm_rows(next, res, last ? final_norm : layers[i + 1].input_norm, last ? final_eps : s.eps,
-                  last ? out : b.normed.data(), H, 0, T);
+    norm(next, res, last ? final_norm : layers[i + 1].input_norm, last ? final_eps : s.eps,
+         last ? out : b.normed.data());
     std::swap(res, next);
   }
 }

@@ -103,4 +103,12 @@ ThreadPool &shared_pool(int threads) {
   return *pool;
 }
 
+void split_rows(int rows, int threads, const std::function<void(int, int)> &fn) {
+  constexpr int kMinRowsPerThread = 16;
+  const int parts = std::max(1, std::min(threads, rows / kMinRowsPerThread));
+  if (parts == 1) return fn(0, rows);
+  const int step = (rows + parts - 1) / parts;
+  shared_pool(parts).run(parts, parts, [&](int p) { fn(std::min(rows, p * step), std::min(rows, (p + 1) * step)); });
+}
+
 }  // namespace deepinfer

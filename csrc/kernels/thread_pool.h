@@ -52,4 +52,9 @@ class ThreadPool {
 // forked after the pool started gets a pool of its own (the parent's workers are not there).
 ThreadPool &shared_pool(int threads);
 
+// Rows [0, rows) in up to `threads` contiguous ranges fn(begin, end) on the shared pool (one
+// range under 16 rows a thread: waking a worker costs more). For kernels that compute each
+// row alone, so that their floats do not depend on the split.
+void split_rows(int rows, int threads, const std::function<void(int, int)> &fn);
+
 }  // namespace deepinfer
