@@ -224,6 +224,16 @@ AVX2_INLINE void head_values(const float *ph, const T *vt, size_t row, int n, fl
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
+// Asks for n cached positions from p on (`row` elements apart, the first `width` of each)
+// ahead of use: a unit's next block sits anywhere in the cache, where the hardware
+// prefetcher does not look, and one block's loads alone keep too few misses in flight.
+template <class T>
+AVX2_INLINE void prefetch_rows(const T *p, size_t row, int width, int n) {
+  const int bytes = width * static_cast<int>(sizeof(T));
+  for (int i = 0; i < n; ++i, p += row)
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char *>(p) + b, _MM_HINT_T0);
+}
+
 // AVX2 path for head sizes 64 and 128: the `group` query heads that share one KV head, of
 // each of the chunk's queries (consecutive queries of one sequence: a decode token alone, or
 // the tokens of a verification step or short prefill chunk), go through its positions
@@ -237,8 +247,12 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
   const __m256 sv = _mm256_set1_ps(scale);
   const int longest = *std::max_element(c.lens, c.lens + c.count);
   const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * c.heads + h) * longest; };
+  const int width = c.heads / c.group * D;  // elements of one position's K (or V) in this unit
   for (int t0 = 0; t0 < longest; t0 += k.block_size) {
     const T *kt = k.at(t0);
+    const int ahead = t0 + k.block_size;
+    if (ahead < longest) prefetch_rows(k.at(ahead), k.row, width, std::min(k.block_size, longest - ahead));
+    else prefetch_rows(v.at(0), v.row, width, std::min(v.block_size, longest));
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(k.block_size, c.lens[j] - t0);
       for (int h = 0; h < c.heads && n > 0; ++h)
@@ -252,6 +266,8 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
   }
   for (int t0 = 0; t0 < longest; t0 += v.block_size) {
     const T *vt = v.at(t0);
+    const int ahead = t0 + v.block_size;
+    if (ahead < longest) prefetch_rows(v.at(ahead), v.row, width, std::min(v.block_size, longest - ahead));
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(v.block_size, c.lens[j] - t0);
       for (int h = 0; h < c.heads && n > 0; ++h)
