@@ -318,6 +318,8 @@ void bind_scheduler(py::module_ &m) {
       .def("release_outputs", &Scheduler::release_outputs)
       .def("draft_candidates", &Scheduler::draft_candidates,
            "Running sequences that may get drafts for the next step (decode-ready, nothing in flight).")
+      .def("may_draft", &Scheduler::may_draft,
+           "Whether a running sequence may draft now or, with a token in flight, at the next step.")
       .def("set_drafts", &Scheduler::set_drafts, py::arg("seq"), py::arg("drafts"),
            "Sets a candidate's draft tokens for the next schedule() (ValueError naming a bad one).")
       .def(

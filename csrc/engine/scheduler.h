@@ -125,13 +125,18 @@ class Scheduler {
   // used by the next schedule() only; it drops those it cannot use.
   // Running sequences that may get drafts now: decode-ready, nothing in flight, drafting allowed.
   std::vector<std::shared_ptr<Sequence>> draft_candidates() const;
+  // Whether a running sequence may draft now or, with a token in flight, at the next step:
+  // drafting allowed and not paused by the acceptance back-off.
+  bool may_draft() const;
   // Checks and sets the drafts of a candidate (std::invalid_argument naming what is wrong).
   void set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int32_t> drafts);
   // Prompt lookup for every candidate; returns how many got drafts.
   int propose_ngram(int k, int min_n, int max_n);
   // Acceptance back-off: a sequence whose verification steps accept fewer than
   // `min_accepted` drafts on average (recent steps weigh most) stops being a draft
-  // candidate for its next `pause_tokens` tokens, then is tried again. min_accepted < 0: off.
+  // candidate for its next `pause_tokens` tokens, then is tried again; a pause right after
+  // a probe that failed lasts twice the one before (at most 8 x pause_tokens) until a step
+  // accepts enough again. min_accepted < 0: off.
   void set_draft_backoff(float min_accepted, int pause_tokens);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }

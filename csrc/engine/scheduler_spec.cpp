@@ -52,6 +52,14 @@ std::vector<std::shared_ptr<Sequence>> Scheduler::draft_candidates() const {
   return out;
 }
 
+bool Scheduler::may_draft() const {
+  for (const auto &seq : running_)
+    if (!seq->is_finished() && seq->limits.allow_drafts && seq->data.get_len() >= seq->draft_resume_len &&
+        !seq->done_by_length(max_seq_len_))
+      return true;
+  return false;
+}
+
 void Scheduler::set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int32_t> drafts) {
   if (!seq) throw std::invalid_argument("set_drafts: seq is None");
   const std::string who = "set_drafts: request '" + seq->request_id + "': ";
@@ -87,12 +95,21 @@ void Scheduler::set_draft_backoff(float min_accepted, int pause_tokens) {
 // A verification step's drafts cost the step a row each whether accepted or not: on a CPU
 // decode step of SmolLM2, 4 rows take ~1.5x one row, 6 rows ~1.8x, so a sequence whose
 // drafts are mostly rejected (ordinary prose under prompt lookup) makes its steps slower
-// than not drafting. Its recent average (each step weighs 1/2) decides; a paused sequence
-// gets one probe every pause_tokens tokens, so a copy that starts later is still found.
+// than not drafting. Its recent average (each step weighs 1/2) decides. A paused sequence
+// probes again after pause_tokens tokens, so a copy that starts later is still found; each
+// probe in a row that fails doubles the pause (up to kMaxPauseDoublings times), since a
+// probe costs a verification step of K + 1 rows, and with a draft model its K draft passes
+// and a catch-up pass over the tokens it skipped.
 void Scheduler::note_acceptance(Sequence &seq, int matched) {
+  constexpr int kMaxPauseDoublings = 3;
   if (draft_min_accepted_ < 0.f) return;
   seq.draft_accept_avg = seq.draft_accept_avg < 0.f ? matched : 0.5f * (seq.draft_accept_avg + matched);
-  if (seq.draft_accept_avg < draft_min_accepted_) seq.draft_resume_len = seq.data.get_len() + draft_pause_tokens_;
+  if (seq.draft_accept_avg >= draft_min_accepted_) {
+    seq.draft_failed_probes = 0;
+    return;
+  }
+  seq.draft_resume_len = seq.data.get_len() + (draft_pause_tokens_ << seq.draft_failed_probes);
+  seq.draft_failed_probes = std::min(seq.draft_failed_probes + 1, kMaxPauseDoublings);
 }
 
 // How many of its drafts a decode-ready sequence may feed now: none with a token in flight

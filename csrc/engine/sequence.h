@@ -90,6 +90,7 @@ class Sequence {
   // (Scheduler::set_draft_backoff).
   float draft_accept_avg = -1.f;
   int draft_resume_len = 0;
+  int draft_failed_probes = 0;  // pauses in a row: each doubles the next one
 
   std::vector<int32_t> block_table;
   int num_hashed_blocks = 0;    // leading full blocks already keyed in the prefix cache

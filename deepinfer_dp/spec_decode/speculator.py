@@ -57,8 +57,13 @@ class Speculator:
                 self.draft_time_s += time.perf_counter() - start
             return False
         start = time.perf_counter()
-        self.proposer.propose(scheduler, self.k)
+        drafted = self.proposer.propose(scheduler, self.k)
         self.draft_time_s += time.perf_counter() - start
+        # No drafts and every request paused by the acceptance back-off: an ordinary step,
+        # deferred under ZOS and unseen by a draft model (it catches up when it drafts next).
+        # MTP under EP keeps every step speculative: its collectives follow the steps.
+        if drafted == 0 and not scheduler.may_draft() and getattr(self.proposer, "draft_padding", None) is None:
+            return False
         self.spec_steps += 1
         return True
 

@@ -31,10 +31,20 @@ def test_rejected_drafts_pause_drafting_and_keep_every_token(tiny_model_dir):
     backoff, stats_backoff = drafting(tiny_model_dir, prompts, **ngram, disable_by_acceptance=1.0)
     assert backoff == always
     assert stats_always["spec_decode_num_accepted_tokens"] < stats_always["spec_decode_num_drafts"]  # mostly wrong
-    # Each poor verification pauses the request for DRAFT_PAUSE_TOKENS tokens: at most one
-    # probe per pause (plus the first) per request, far fewer than drafting on every step.
-    probes = len(prompts) * (1 + MAX_TOKENS // DRAFT_PAUSE_TOKENS)
+    # Each poor verification pauses the request, for DRAFT_PAUSE_TOKENS tokens and twice as
+    # long after each probe that fails again: at most one probe per pause (plus the first),
+    # far fewer than drafting on every step, and fewer than with pauses of a fixed length.
+    probes = len(prompts) * max_probes(MAX_TOKENS)
+    assert max_probes(MAX_TOKENS) < 1 + MAX_TOKENS // DRAFT_PAUSE_TOKENS
     assert 0 < stats_backoff["spec_decode_num_drafts"] <= probes < stats_always["spec_decode_num_drafts"]
+
+
+def max_probes(tokens: int) -> int:
+    """Probes of a request whose every probe fails: pauses of 16, 32, 64, 128, 128, ... tokens."""
+    probes, used, pause = 1, 0, DRAFT_PAUSE_TOKENS
+    while used + pause < tokens:
+        probes, used, pause = probes + 1, used + pause, min(2 * pause, 8 * DRAFT_PAUSE_TOKENS)
+    return probes
 
 
 def test_accepted_drafts_keep_drafting(tiny_model_dir):
