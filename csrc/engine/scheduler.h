@@ -166,6 +166,7 @@ class Scheduler {
   int usable_drafts(const Sequence &seq, int budget) const;
   void clear_drafts();
   void note_acceptance(Sequence &seq, int matched);
+  bool draft_allowed(const Sequence &seq) const;
   void process_spec_seq(const SchedulerOutput &out, size_t i, const int64_t *tokens, const float *logprobs);
   void emit_output(Sequence &seq, int32_t token, int row, const float *logprobs, bool stopped);
   void finalize_batch(SchedulerOutput &out);

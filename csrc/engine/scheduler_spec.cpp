@@ -41,22 +41,22 @@ std::vector<int32_t> ngram_propose(const std::vector<int32_t> &tokens, int k, in
   return {};
 }
 
+// Drafting allowed, room left, and not paused by the acceptance back-off.
+bool Scheduler::draft_allowed(const Sequence &seq) const {
+  return !seq.is_finished() && seq.limits.allow_drafts && !seq.done_by_length(max_seq_len_) &&
+         seq.data.get_len() >= seq.draft_resume_len;
+}
+
 std::vector<std::shared_ptr<Sequence>> Scheduler::draft_candidates() const {
   std::vector<std::shared_ptr<Sequence>> out;
-  for (const auto &seq : running_) {
-    if (seq->is_finished() || !seq->limits.allow_drafts || seq->num_pending != 0 || seq->num_uncomputed() != 1 ||
-        seq->done_by_length(max_seq_len_) || seq->data.get_len() < seq->draft_resume_len)
-      continue;
-    out.push_back(seq);
-  }
+  for (const auto &seq : running_)
+    if (draft_allowed(*seq) && seq->num_pending == 0 && seq->num_uncomputed() == 1) out.push_back(seq);
   return out;
 }
 
 bool Scheduler::may_draft() const {
   for (const auto &seq : running_)
-    if (!seq->is_finished() && seq->limits.allow_drafts && seq->data.get_len() >= seq->draft_resume_len &&
-        !seq->done_by_length(max_seq_len_))
-      return true;
+    if (draft_allowed(*seq)) return true;
   return false;
 }
 
