@@ -18,10 +18,12 @@ Two workloads, greedy, chat template applied:
 - ordinary: the offline-throughput prompts ("Write a short story about a robot number
   {i}."), exactly --max-tokens each (EOS ignored).
 At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: the five
-prompts one request after the other; the ordinary workload likewise runs five). Each side runs
-in its own subprocess (no idle engine's threads beside it), the sides alternating round by
-round (this machine's speed drifts over minutes), and the best round of each side gives
-tokens/s; the ratio is against "off" at the same point. The script checks that every side
+prompts one request after the other; the ordinary workload likewise runs five). Each side has
+its own process and engine, built once (its prefix cache reset before every point, so that
+every run of a point pays its prefill); at each point the sides run back to back, in an order that rotates,
+and every round runs every point again (this machine's speed drifts 10-30% over minutes: a
+side's whole run against the next side's whole run compares two phases of it). The best
+round of each side gives tokens/s; the ratio is against "off" at the same point. The script checks that every side
 produced the same tokens, and prints the mean accepted length and the answer lengths. Each
 speculative side runs once per --k value, named e.g. ngram_k5 (--k 3 5 compares K side by side).
 
@@ -161,10 +163,12 @@ def side_names(sides: list[str], ks: list[int]) -> list[str]:
 def build(side: str, draft: str | None):
     from deepinfer_dp import LLM
 
+    common = {"decode_sequence": False, "kv_cache_memory_gb": KV_GB, "max_model_len": 1024}
+
     if side == "off":
-        return LLM(decode_sequence=False, kv_cache_memory_gb=KV_GB, max_model_len=1024)
+        return LLM(**common)
     if side == "off_nozos":  # what giving up the ZOS deferral alone costs (speculative steps are not deferred)
-        return LLM(decode_sequence=False, zos=False, kv_cache_memory_gb=KV_GB, max_model_len=1024)
+        return LLM(zos=False, **common)
     method, k = side.rsplit("_k", 1)  # e.g. ngram_always_k5
     if method.startswith("ngram"):
         spec = {"method": "ngram", "num_speculative_tokens": int(k)}
@@ -172,7 +176,7 @@ def build(side: str, draft: str | None):
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(k)}
     if method.endswith("_always"):
         spec["disable_by_batch_size"] = None
-    return LLM(decode_sequence=False, speculative_config=spec, kv_cache_memory_gb=KV_GB, max_model_len=1024)
+    return LLM(speculative_config=spec, **common)
 
 
 def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, list, dict]:
@@ -191,33 +195,41 @@ def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, lis
     return sum(len(t) for t in tokens) / wall, tokens, delta
 
 
-def run_side(args: argparse.Namespace) -> dict:
-    """One side, every point: what its subprocess prints as one JSON line."""
+def serve_side(args: argparse.Namespace) -> None:
+    """One side in its own process: builds its engine once, then runs the point named on each
+    line of stdin ("workload batch") and prints its result as one JSON line."""
     from deepinfer_dp import SamplingParams
 
     llm = build(args.side, args.draft)
     tok = llm.get_tokenizer()
     # Warm-up on a prompt no point uses: a fresh process's first steps pay one-off costs (pages
-    # of the weights and the cache touched for the first time, threads started) that would
-    # otherwise land on the first point of every side alike and squash its ratio.
+    # of the weights and the cache touched for the first time, threads started).
     warm = [tok("Name three colours.", add_special_tokens=False).input_ids]
     llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(temperature=0.0, max_tokens=16),
                  use_tqdm=False)
-    points = {}
-    for workload in args.workloads:
-        cap = args.repetition_max_tokens if workload == "repetition" else args.max_tokens
-        params = SamplingParams(temperature=0.0, max_tokens=cap, ignore_eos=workload == "ordinary")
-        for batch in args.batches:
-            n = len(REPETITION) if batch == 1 else batch
-            tok_s, tokens, delta = run_point(llm, prompts(tok, workload, n), batch, params)
-            drafts = delta.get("spec_decode_num_drafts", 0)
-            points[f"{workload}/{batch}"] = {
-                "tok_s": tok_s, "tokens": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
-                "accepted_len": 1 + delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
-                "lengths": [min(len(t) for t in tokens), max(len(t) for t in tokens)],
-                "cut": sum(len(t) >= cap for t in tokens) if workload == "repetition" else 0,
-                "preemptions": delta.get("num_preemptions", 0)}
-    return points
+    print("ready", flush=True)
+    for line in sys.stdin:
+        workload, batch = line.split()
+        print(json.dumps(run_one(llm, tok, args, workload, int(batch))), flush=True)
+
+
+def run_one(llm, tok, args: argparse.Namespace, workload: str, batch: int) -> dict:
+    from deepinfer_dp import SamplingParams
+
+    cap = args.repetition_max_tokens if workload == "repetition" else args.max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=cap, ignore_eos=workload == "ordinary")
+    n = len(REPETITION) if batch == 1 else batch
+    # Every point runs once a round in the same engine: a repeat would otherwise find its
+    # prompts in the prefix cache and skip the prefill, which is part of what a request costs.
+    if not llm.llm_engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset: a request still holds KV blocks")
+    tok_s, tokens, delta = run_point(llm, prompts(tok, workload, n), batch, params)
+    drafts = delta.get("spec_decode_num_drafts", 0)
+    return {"tok_s": tok_s, "tokens": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
+            "accepted_len": 1 + delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            "lengths": [min(len(t) for t in tokens), max(len(t) for t in tokens)],
+            "cut": sum(len(t) >= cap for t in tokens) if workload == "repetition" else 0,
+            "preemptions": delta.get("num_preemptions", 0)}
 
 
 def main() -> None:
@@ -236,7 +248,7 @@ def main() -> None:
     ap.add_argument("--draft", help="a draft model directory (default: the layer-skip draft)")
     ap.add_argument("--threshold", action="store_true",
                     help="measure disable_by_batch_size: sides off and ngram_always, and print the suggestion")
-    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: serve one side's points in this process
     args = ap.parse_args()
     if args.threshold:
         args.sides = ["off", "ngram_always"]
@@ -244,7 +256,7 @@ def main() -> None:
             ap.error("--threshold reads the crossover off the ordinary workload: keep it in --workloads")
     args.batches = args.batches or (THRESHOLD_BATCHES if args.threshold else [1, 4, 16, 64])
     if args.side:
-        print(json.dumps(run_side(args)))
+        serve_side(args)
         return
     args.sides = side_names(args.sides, args.k)
     if args.draft is None and any(s.startswith("draft") for s in args.sides):
@@ -259,21 +271,52 @@ def main() -> None:
             suggest_threshold(args, best, k)
 
 
+def start_sides(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
+    """One process per side, each with its engine built and warm; the sides' engines sit idle
+    (their threads asleep) while another side runs."""
+    procs = {}
+    for side in args.sides:
+        cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
+               "--repetition-max-tokens", str(args.repetition_max_tokens),
+               *(["--draft", args.draft] if args.draft else [])]
+        procs[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for side, proc in procs.items():
+        if proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"side {side} did not start (exit code {proc.wait()})")
+    return procs
+
+
+def ask(proc: subprocess.Popen, side: str, point: str) -> dict:
+    proc.stdin.write(point.replace("/", " ") + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"side {side} died at {point} (exit code {proc.wait()})")
+    return json.loads(line)
+
+
 def run_rounds(args: argparse.Namespace) -> dict[tuple, dict]:
-    """Every side once per round, alternating; the best round of each side at each point."""
+    """Every point once per round on every side, the sides back to back at each point in an
+    order that rotates from point to point and round to round: this machine's speed drifts
+    over minutes, so the sides of one point meet the same phase of it. The best round of
+    each side at each point is kept."""
+    points = [f"{w}/{b}" for w in args.workloads for b in args.batches]
+    procs = start_sides(args)
     best: dict[tuple, dict] = {}
-    for r in range(args.rounds):
-        for side in args.sides:  # each side in its own process: no idle engine's threads around
-            cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
-                   "--repetition-max-tokens", str(args.repetition_max_tokens),
-                   "--batches", *map(str, args.batches), "--workloads", *args.workloads,
-                   *(["--draft", args.draft] if args.draft else [])]
-            points = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            for point, v in points.items():
-                print(json.dumps({"round": r, "side": side, "point": point, "tok_s": round(v["tok_s"], 2),
-                                  "accepted_len": v["accepted_len"]}), flush=True)
-                if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
-                    best[(point, side)] = v
+    try:
+        for r in range(args.rounds):
+            for i, point in enumerate(points):
+                shift = (r + i) % len(args.sides)
+                for side in args.sides[shift:] + args.sides[:shift]:
+                    v = ask(procs[side], side, point)
+                    print(json.dumps({"round": r, "side": side, "point": point, "tok_s": round(v["tok_s"], 2),
+                                      "accepted_len": v["accepted_len"]}), flush=True)
+                    if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
+                        best[(point, side)] = v
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
     return best
 
 

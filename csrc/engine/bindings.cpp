@@ -334,6 +334,8 @@ void bind_scheduler(py::module_ &m) {
       .def("set_draft_backoff", &Scheduler::set_draft_backoff, py::arg("min_accepted"), py::arg("pause_tokens"),
            "Pauses drafting for a sequence whose verification steps accept fewer than min_accepted drafts on\n"
            "average, for its next pause_tokens tokens (min_accepted < 0: never).")
+      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
+           "Forgets every cached prefix; False (nothing forgotten) while a sequence holds blocks.")
       .def("discard_unprocessed", &Scheduler::discard_unprocessed)
       .def("has_unfinished_seqs", &Scheduler::has_unfinished_seqs)
       .def("get_sequence", &Scheduler::get_sequence, py::arg("request_id"))

@@ -139,6 +139,13 @@ int BlockManager::pop_free_block() {
   return b;
 }
 
+bool BlockManager::reset_prefix_cache() {
+  if (num_free_ != num_usable_blocks()) return false;
+  for (int b = 0; b < num_blocks_; ++b) has_hash_[b] = 0;
+  hash_to_block_.clear();
+  return true;
+}
+
 void BlockManager::forget_hash(int b) {
   if (!has_hash_[b]) return;
   auto it = hash_to_block_.find(block_hash_[b]);

@@ -39,6 +39,8 @@ class BlockManager {
   void register_full_blocks(Sequence &seq);
   // Drops the sequence's hold on its blocks; cached ones stay reusable until evicted.
   void free_sequence(Sequence &seq);
+  // Forgets every cached prefix; false (nothing forgotten) while any block is held.
+  bool reset_prefix_cache();
 
  private:
   uint64_t chain_hash(uint64_t parent, const int32_t *tokens) const;

@@ -149,6 +149,8 @@ class Scheduler {
   // it finishes with "length" like one at max_model_len, so none can outgrow the cache.
   int max_seq_len() const { return max_seq_len_; }
   const BlockManager &block_manager() const { return blocks_; }
+  // Forgets every cached prefix (vLLM's reset_prefix_cache); false while a sequence holds blocks.
+  bool reset_prefix_cache() { return blocks_.reset_prefix_cache(); }
   const SchedulerStats &stats() const { return stats_; }
   int64_t step_id() const { return step_id_; }
 

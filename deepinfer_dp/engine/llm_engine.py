@@ -221,6 +221,11 @@ class LLMEngine:
         failed, self._build_failures = self._build_failures, []
         return failed
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's reset_prefix_cache), so that a prompt seen before is
+        prefilled again; False, and nothing forgotten, while a request holds KV blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def flush_inflight_reqs(self) -> list:
         """Post-processes the decode step that ZOS kept in flight."""
         self.scheduler.release_outputs()

@@ -132,6 +132,25 @@ def test_prefix_cache_can_be_switched_off():
     assert sched.stats["prefix_hit_tokens"] == 0
 
 
+def test_reset_prefix_cache_forgets_cached_prefixes_but_not_while_blocks_are_held():
+    shared = [(5 * j) % 50 for j in range(32)]
+    sched, model = fresh(block_size=16, max_num_batched_tokens=256)
+    add(sched, "first", shared + [1], max_tokens=3)
+    run(sched, model)
+    add(sched, "held", [9, 8, 7], max_tokens=3)
+    sched.schedule()  # "held" now holds a block
+    assert not sched.reset_prefix_cache()
+    sched, model = fresh(block_size=16, max_num_batched_tokens=256)
+    add(sched, "first", shared + [1], max_tokens=3)
+    run(sched, model)
+    assert sched.reset_prefix_cache()
+    model.scheduled_tokens.clear()
+    add(sched, "second", shared + [2], max_tokens=3)
+    run(sched, model)
+    assert model.scheduled_tokens[0] == 33  # prefilled again
+    assert sched.stats["prefix_hit_tokens"] == 0
+
+
 def test_shared_blocks_stay_alive_while_in_use():
     shared = [(5 * j) % 50 for j in range(32)]
     sched, model = fresh(block_size=16, max_num_batched_tokens=256)
