@@ -331,9 +331,18 @@ void bind_scheduler(py::module_ &m) {
           },
           py::arg("k"), py::arg("min_n"), py::arg("max_n"),
           "Prompt-lookup drafts for every candidate; returns how many got some.")
-      .def("set_draft_backoff", &Scheduler::set_draft_backoff, py::arg("min_accepted"), py::arg("pause_tokens"),
-           "Pauses drafting for a sequence whose verification steps accept fewer than min_accepted drafts on\n"
-           "average, for its next pause_tokens tokens (min_accepted < 0: never).")
+      .def("set_draft_backoff", &Scheduler::set_draft_backoff, py::arg("max_misses"), py::arg("pause_tokens"),
+           "Draft lengths follow what verification keeps, and a sequence whose last max_misses verification\n"
+           "steps kept no draft pauses drafting for its next pause_tokens tokens (max_misses 0: off).")
+      .def(
+          "draft_limit",
+          [](const Scheduler &s, const std::shared_ptr<Sequence> &seq, int k) {
+            if (!seq) throw py::value_error("draft_limit: seq is None");
+            return s.draft_limit(*seq, k);
+          },
+          py::arg("seq"), py::arg("k"),
+          "How many drafts to propose for a draft candidate now: at most k, within its acceptance back-off\n"
+          "and what it may still append.")
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
            "Forgets every cached prefix; False (nothing forgotten) while a sequence holds blocks.")
       .def("discard_unprocessed", &Scheduler::discard_unprocessed)
@@ -375,6 +384,7 @@ void bind_scheduler(py::module_ &m) {
         d["spec_decode_num_draft_tokens"] = st.spec_num_draft_tokens;
         d["spec_decode_num_accepted_tokens"] = st.spec_num_accepted_tokens;
         d["spec_decode_num_accepted_tokens_per_pos"] = st.spec_accepted_per_pos;
+        d["spec_decode_num_skipped_requests"] = st.spec_skipped_requests;
         return d;
       });
 }

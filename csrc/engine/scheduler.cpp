@@ -35,6 +35,7 @@ void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
       std::min<int64_t>(static_cast<int64_t>(seq->data.get_len()) + seq->limits.max_tokens, max_seq_len_));
   seq->data.reserve(final_len);
   seq->block_table.reserve(ceil_div(final_len, config_.block_size));
+  skip_drafting_if_failing(*seq);
   waiting_.push_back(seq);
   by_request_[seq->request_id] = seq;
 }
@@ -333,6 +334,7 @@ bool Scheduler::check_stop(Sequence &seq, int32_t token) const {
 }
 
 void Scheduler::finish(Sequence &seq, SequenceStatus status) {
+  note_request_drafting(seq);
   seq.status = status;
   blocks_.free_sequence(seq);
   by_request_.erase(seq.request_id);

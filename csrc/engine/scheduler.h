@@ -89,6 +89,7 @@ struct SchedulerStats {
   int64_t spec_num_draft_tokens = 0;
   int64_t spec_num_accepted_tokens = 0;
   std::vector<int64_t> spec_accepted_per_pos;
+  int64_t spec_skipped_requests = 0;  // started without drafting by the engine-wide back-off
 };
 
 // Prompt lookup (n-gram speculation): the tokens that followed the latest earlier
@@ -132,12 +133,20 @@ class Scheduler {
   void set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int32_t> drafts);
   // Prompt lookup for every candidate; returns how many got drafts.
   int propose_ngram(int k, int min_n, int max_n);
-  // Acceptance back-off: a sequence whose verification steps accept fewer than
-  // `min_accepted` drafts on average (recent steps weigh most) stops being a draft
-  // candidate for its next `pause_tokens` tokens, then is tried again; a pause right after
-  // a probe that failed lasts twice the one before (at most 8 x pause_tokens) until a step
-  // accepts enough again. min_accepted < 0: off.
-  void set_draft_backoff(float min_accepted, int pause_tokens);
+  // How many drafts to propose for a candidate now: at most k, no more than its acceptance
+  // back-off allows, and none it could not append (max_tokens, the context) after the
+  // target's own token.
+  int draft_limit(const Sequence &seq, int k) const;
+  // Acceptance back-off. A sequence's draft length follows what its verification steps
+  // keep: after a run with a rejected draft it proposes one more than were kept, after a
+  // run kept whole all k again. After `max_misses` verification steps in a row that keep
+  // nothing, it stops being a draft candidate for its next `pause_tokens` tokens, then
+  // probes with one draft; a probe that fails pauses twice as long as the pause before (at
+  // most 8 x pause_tokens) until a step keeps a draft again. Engine-wide, when requests in a
+  // row finish having kept fewer drafts than half their verification steps, new requests
+  // start without drafting: 1, 3, 7, then 15 in a row are left out (each failing request
+  // doubles the run), and one request that keeps enough ends it. max_misses 0: off (always k).
+  void set_draft_backoff(int max_misses, int pause_tokens);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -167,7 +176,10 @@ class Scheduler {
   void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens, int num_drafts = 0);
   int usable_drafts(const Sequence &seq, int budget) const;
   void clear_drafts();
-  void note_acceptance(Sequence &seq, int matched);
+  void note_acceptance(Sequence &seq, int matched, int num_drafts);
+  void skip_drafting_if_failing(Sequence &seq);
+  void note_request_drafting(const Sequence &seq);
+  int draft_room(const Sequence &seq) const;
   bool draft_allowed(const Sequence &seq) const;
   void process_spec_seq(const SchedulerOutput &out, size_t i, const int64_t *tokens, const float *logprobs);
   void emit_output(Sequence &seq, int32_t token, int row, const float *logprobs, bool stopped);
@@ -184,8 +196,10 @@ class Scheduler {
   std::unordered_map<std::string, std::shared_ptr<Sequence>> by_request_;
   std::shared_ptr<RequestOutputPool> pool_;
   SchedulerStats stats_;
-  float draft_min_accepted_ = -1.f;  // set_draft_backoff
+  int draft_max_misses_ = 0;  // set_draft_backoff
   int draft_pause_tokens_ = 0;
+  int draft_failed_requests_ = 0;  // requests in a row whose drafts were rarely kept
+  int draft_skip_ = 0;             // new requests still to start without drafting
   int64_t step_id_ = 0;
   int64_t last_processed_step_ = 0;
   int64_t next_seq_id_ = 1;

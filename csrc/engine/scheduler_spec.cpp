@@ -13,6 +13,7 @@
 // exactly there. The slots of rejected drafts are rolled back (their blocks given back), so
 // the prefix cache and the next step only ever see accepted tokens.
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "scheduler.h"
@@ -80,36 +81,80 @@ void Scheduler::set_drafts(const std::shared_ptr<Sequence> &seq, std::vector<int
 int Scheduler::propose_ngram(int k, int min_n, int max_n) {
   int n = 0;
   for (const auto &seq : draft_candidates()) {
-    seq->draft_token_ids = ngram_propose(seq->data.get_token_ids(), k, min_n, max_n);
+    const int limit = draft_limit(*seq, k);
+    seq->draft_token_ids = limit > 0 ? ngram_propose(seq->data.get_token_ids(), limit, min_n, max_n)
+                                     : std::vector<int32_t>{};
     n += seq->draft_token_ids.empty() ? 0 : 1;
   }
   return n;
 }
 
-void Scheduler::set_draft_backoff(float min_accepted, int pause_tokens) {
-  if (pause_tokens < 1) throw std::invalid_argument("set_draft_backoff: pause_tokens must be >= 1");
-  draft_min_accepted_ = min_accepted;
+// Drafts a sequence could still append after the target's own token.
+int Scheduler::draft_room(const Sequence &seq) const {
+  return std::min(seq.limits.max_tokens - seq.data.get_output_len() - 1, max_seq_len_ - seq.data.get_len() - 1);
+}
+
+int Scheduler::draft_limit(const Sequence &seq, int k) const {
+  if (seq.draft_len > 0) k = std::min(k, seq.draft_len);
+  return std::max(0, std::min(k, draft_room(seq)));
+}
+
+void Scheduler::set_draft_backoff(int max_misses, int pause_tokens) {
+  if (max_misses < 0 || pause_tokens < 1)
+    throw std::invalid_argument("set_draft_backoff: needs max_misses >= 0 and pause_tokens >= 1");
+  draft_max_misses_ = max_misses;
   draft_pause_tokens_ = pause_tokens;
 }
 
-// A verification step's drafts cost the step a row each whether accepted or not: on a CPU
-// decode step of SmolLM2, 4 rows take ~1.5x one row, 6 rows ~1.8x, so a sequence whose
-// drafts are mostly rejected (ordinary prose under prompt lookup) makes its steps slower
-// than not drafting. Its recent average (each step weighs 1/2) decides. A paused sequence
-// probes again after pause_tokens tokens, so a copy that starts later is still found; each
-// probe in a row that fails doubles the pause (up to kMaxPauseDoublings times), since a
-// probe costs a verification step of K + 1 rows, and with a draft model its K draft passes
-// and a catch-up pass over the tokens it skipped.
-void Scheduler::note_acceptance(Sequence &seq, int matched) {
+// A verification step's drafts cost it a row each whether kept or not: on a CPU decode step
+// of SmolLM2 at one sequence, 2 rows take ~1.15x one row, 4 rows ~1.45x, 8 rows ~2.5x. So a
+// sequence proposes as many drafts as its last run suggests will be kept: a copy that departs
+// from its source for a word keeps drafting, one or two drafts at a time, and is back to k
+// as soon as a run is kept whole. A sequence whose drafts keep failing even one at a time
+// (ordinary prose under prompt lookup, a draft model that rarely agrees) pauses, since a
+// failed draft still costs a row, and with a draft model its drafting pass. It probes again
+// after pause_tokens tokens, so a copy that starts later is still found; each failed probe
+// doubles the pause (up to kMaxPauseDoublings times): a probe with a draft model also costs a
+// catch-up pass over the tokens it skipped.
+void Scheduler::note_acceptance(Sequence &seq, int matched, int num_drafts) {
   constexpr int kMaxPauseDoublings = 3;
-  if (draft_min_accepted_ < 0.f) return;
-  seq.draft_accept_avg = seq.draft_accept_avg < 0.f ? matched : 0.5f * (seq.draft_accept_avg + matched);
-  if (seq.draft_accept_avg >= draft_min_accepted_) {
-    seq.draft_failed_probes = 0;
+  ++seq.draft_steps;
+  seq.draft_kept += matched;
+  if (draft_max_misses_ == 0) return;
+  seq.draft_len = matched == num_drafts ? 0 : matched + 1;
+  if (matched > 0) {
+    seq.draft_misses = seq.draft_failed_probes = 0;
     return;
   }
+  // A probe (the first step after a pause) that keeps nothing pauses again at once.
+  if (++seq.draft_misses < draft_max_misses_ && seq.draft_failed_probes == 0) return;
+  seq.draft_misses = 0;
   seq.draft_resume_len = seq.data.get_len() + (draft_pause_tokens_ << seq.draft_failed_probes);
   seq.draft_failed_probes = std::min(seq.draft_failed_probes + 1, kMaxPauseDoublings);
+}
+
+// The back-off across requests. Each request's own back-off still pays for its first drafts
+// and its probes, and with a draft model for a drafting pass over its prompt: a draft model
+// that rarely agrees with the target (an 8-layer layer-skip draft of SmolLM2 keeps ~3% of
+// its drafts) cost 10-20% at one request at a time that way. So while requests keep
+// finishing with few drafts kept, most new ones do not draft at all; every few requests one
+// still does, so traffic that starts to repeat itself is noticed.
+void Scheduler::skip_drafting_if_failing(Sequence &seq) {
+  if (draft_max_misses_ == 0 || draft_skip_ == 0) return;
+  --draft_skip_;
+  seq.draft_resume_len = std::numeric_limits<int>::max();
+  ++stats_.spec_skipped_requests;
+}
+
+void Scheduler::note_request_drafting(const Sequence &seq) {
+  constexpr int kMaxSkipDoublings = 4;
+  if (draft_max_misses_ == 0 || seq.draft_steps == 0) return;
+  if (2 * seq.draft_kept >= seq.draft_steps) {
+    draft_failed_requests_ = draft_skip_ = 0;
+    return;
+  }
+  draft_failed_requests_ = std::min(draft_failed_requests_ + 1, kMaxSkipDoublings);
+  draft_skip_ = (1 << draft_failed_requests_) - 1;
 }
 
 // How many of its drafts a decode-ready sequence may feed now: none with a token in flight
@@ -118,8 +163,7 @@ void Scheduler::note_acceptance(Sequence &seq, int matched) {
 int Scheduler::usable_drafts(const Sequence &seq, int budget) const {
   if (seq.draft_token_ids.empty() || seq.num_pending != 0 || !seq.limits.allow_drafts) return 0;
   int k = static_cast<int>(seq.draft_token_ids.size());
-  k = std::min(k, seq.limits.max_tokens - seq.data.get_output_len() - 1);
-  k = std::min(k, max_seq_len_ - seq.data.get_len() - 1);
+  k = std::min(k, draft_room(seq));
   k = std::min(k, budget - 1);
   return std::max(k, 0);
 }
@@ -142,7 +186,7 @@ void Scheduler::process_spec_seq(const SchedulerOutput &out, size_t i, const int
   stats_.spec_num_accepted_tokens += matched;
   if (static_cast<int>(stats_.spec_accepted_per_pos.size()) < k) stats_.spec_accepted_per_pos.resize(k, 0);
   for (int j = 0; j < matched; ++j) ++stats_.spec_accepted_per_pos[j];
-  note_acceptance(seq, matched);
+  note_acceptance(seq, matched, k);
 
   --seq.num_pending;
   for (int j = 0; j <= matched; ++j) {

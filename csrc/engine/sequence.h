@@ -85,11 +85,15 @@ class Sequence {
   // Draft tokens to verify after the last token in the next decode step (speculative
   // decoding); set by a proposer before schedule(), consumed or dropped by it.
   std::vector<int32_t> draft_token_ids;
-  // Drafts it recently got accepted: an average over its verification steps (-1: none
-  // yet), and the length it must reach before drafting again after a poor run
-  // (Scheduler::set_draft_backoff).
-  float draft_accept_avg = -1.f;
+  // The acceptance back-off (Scheduler::set_draft_backoff): how many drafts its next
+  // verification may take (0: all K; none rejected yet, or the last run all kept), its
+  // verification steps in a row that kept none, and the length it must reach before
+  // drafting again after a pause.
+  int draft_len = 0;
+  int draft_misses = 0;
   int draft_resume_len = 0;
+  int draft_steps = 0;  // its verification steps, and the drafts they kept (engine-wide back-off)
+  int draft_kept = 0;
   int draft_failed_probes = 0;  // pauses in a row: each doubles the next one
 
   std::vector<int32_t> block_table;

@@ -48,6 +48,8 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),
     ("spec_decode_num_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
      "Draft tokens the target model agreed with."),
+    ("spec_decode_num_skipped_requests", "counter", "spec_decode_num_skipped_requests",
+     "Requests started without drafting: earlier requests kept too few drafts (the acceptance back-off)."),
     ("spec_decode_steps", "counter", "spec_decode_steps",
      "Engine steps that drafted (speculation on and at most disable_by_batch_size requests running)."),
     ("spec_decode_draft_time_seconds", "counter", "spec_decode_draft_time_s",

@@ -16,14 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # sequences got 1.3x cheaper and drafting at 2 lost: 0.82x (K=5) and 0.87x (K=7) on ordinary
 # prompts, best of 3 rounds, against 1.04x / 1.11x at 1. So drafting is for a lone request.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 1
-# Per request, drafting pauses while its verification steps accept fewer drafts than this
-# on average: each draft is a row of the step whether accepted or not (on 2 cores 4 rows
-# cost ~1.5x one row, 6 rows ~1.8x), so ordinary prose under prompt lookup (0.5-0.9
-# accepted a step) ran 0.86-0.98x of no speculation at batch 1. A paused request probes
-# again after DRAFT_PAUSE_TOKENS tokens, and after twice as many each time a probe fails
-# again (up to 8x): a layer-skip draft that keeps 3% of its drafts ran 0.63-0.71x of no
-# speculation at batch 1 with pauses of a fixed length.
-DEFAULT_DISABLE_BY_ACCEPTANCE = 1.0
+# The acceptance back-off, per request (Scheduler::set_draft_backoff). Each draft is a row of
+# the verification step whether kept or not: on 2 cores 2 rows cost ~1.15x one row, 4 rows
+# ~1.45x, 8 rows ~2.5x. So a request drafts as many tokens as its last verification suggests
+# will be kept (one more than were kept; all K after a run kept whole), and after this many
+# verification steps in a row that kept nothing it pauses, for DRAFT_PAUSE_TOKENS tokens and
+# twice as long after each probe that fails again (up to 8x). With a fixed K and a pause on
+# the first poor step, a copy that departed from its source for a word stopped drafting for
+# 16 tokens of verbatim copy; see benchmarks/spec_decode.py and the README for the numbers.
+DEFAULT_DISABLE_BY_ACCEPTANCE = 4
 DRAFT_PAUSE_TOKENS = 16
 
 
@@ -41,11 +42,12 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int | None = Field(
         DEFAULT_DISABLE_BY_BATCH_SIZE, ge=1,
         description="no drafting while more requests than this are running (None: never off)")
-    disable_by_acceptance: float | None = Field(
-        DEFAULT_DISABLE_BY_ACCEPTANCE, ge=0.0,
-        description=f"per request, drafting pauses for {DRAFT_PAUSE_TOKENS} tokens whenever its verification "
-                    "steps accept fewer than this many drafts on average (recent steps weigh most), then tries "
-                    "again; each failed retry doubles the pause, up to 8x (None: never)")
+    disable_by_acceptance: int | None = Field(
+        DEFAULT_DISABLE_BY_ACCEPTANCE, ge=1,
+        description="per request: each verification proposes one more draft than the last kept (all K after "
+                    f"a run kept whole), and after this many verification steps in a row that kept no draft, "
+                    f"drafting pauses for {DRAFT_PAUSE_TOKENS} tokens, then probes with one draft; each failed "
+                    "probe doubles the pause, up to 8x (None: always K drafts, never paused)")
 
     @model_validator(mode="before")
     @classmethod

@@ -85,8 +85,7 @@ class DraftModelProposer:
         self._probs = {}
         seqs, lens, lasts, tables, ks = [], [], [], [], []
         for seq in scheduler.draft_candidates():
-            n = min(k, seq.limits.max_tokens - seq.data.get_output_len() - 1,
-                    scheduler.max_seq_len - seq.data.get_len() - 1)  # no drafts the scheduler would drop
+            n = scheduler.draft_limit(seq, k)  # its back-off's length; no drafts the scheduler would drop
             if n <= 0:
                 continue
             seqs.append(seq)

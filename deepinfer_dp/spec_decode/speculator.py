@@ -4,8 +4,10 @@ reports the counters.
 Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
 - above `disable_by_batch_size` running requests, no drafts: the step is an ordinary
   decode step, deferred by ZOS as usual;
-- a request whose drafts are mostly rejected (`disable_by_acceptance`) is no draft
-  candidate for a while (Scheduler::set_draft_backoff): it decodes one token a step;
+- the acceptance back-off (`disable_by_acceptance`, Scheduler::set_draft_backoff): a
+  request drafts one more token than its last verification kept (all K after a run kept
+  whole), and one whose verifications keep nothing several times in a row is no draft
+  candidate for a while: it decodes one token a step;
 - otherwise the proposer sets drafts and the step is not deferred: the next step's drafts
   need this step's accepted tokens on the host, and how many are accepted is known only
   after verification. (A sequence whose token is still in flight from a deferred step gets
