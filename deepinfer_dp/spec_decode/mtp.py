@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,14 @@ RECENT_STEPS = 4  # target passes whose hidden states are kept for finding h_{L-
 
 class MTPProposer(DraftModelProposer):
     def __init__(self, mtp: DeepseekMTP, num_blocks: int, block_size: int, max_num_seqs: int,
-                 requests: Mapping[str, Any], run_on_device: Callable, cpu_linear_kernel: bool = True) -> None:
+                 requests: Mapping[str, Any], run_on_device: Callable, cpu_linear_kernel: bool = True,
+                 thread_plan: Callable[[int], AbstractContextManager] = lambda n: nullcontext()) -> None:
         self.model = mtp
         self.block_size = block_size
         self.scratch_start = num_blocks
         self.requests = requests
         self.run_on_device = run_on_device
+        self.thread_plan = thread_plan
         param = next(mtp.parameters())
         self.device, dtype = param.device, param.dtype
         if self.device.type == "cpu" and dtype == torch.float32 and cpu_linear_kernel:
@@ -210,4 +213,4 @@ def build_mtp_proposer(engine: Any) -> MTPProposer:
     """The MTP proposer of `engine` (an LLMEngine being built)."""
     runner, cfg = engine.worker.runner, engine.config
     return MTPProposer(load_mtp_layer(runner.model), runner.num_blocks, runner.block_size, cfg.max_num_seqs,
-                       engine.requests, engine.worker.run_on_device, cfg.cpu_linear_kernel)
+                       engine.requests, engine.worker.run_on_device, cfg.cpu_linear_kernel, runner.thread_plan)

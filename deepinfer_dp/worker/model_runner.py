@@ -197,7 +197,7 @@ class ModelRunner:
             # Tokens the previous (deferred) step sampled, never read on the host yet.
             src = inp.inflight_src.long()
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
-        with self._thread_plan(input_ids.numel()):
+        with self.thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
             observe = inp.observe_target or self.observe_every_pass
             if self.target_observer is not None and observe:
@@ -209,7 +209,9 @@ class ModelRunner:
                 return None
             return self.model.compute_logits(hidden[inp.sample_indices])
 
-    def _thread_plan(self, num_tokens: int):
+    def thread_plan(self, num_tokens: int):
+        """The CPU thread plan of a pass over `num_tokens` tokens (cpu_threads.narrow_step): a
+        proposer's own passes between steps run under it too."""
         if self.device.type != "cpu":
             return contextlib.nullcontext()
         return narrow_step(self.cpu_threads, num_tokens)
