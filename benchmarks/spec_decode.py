@@ -23,7 +23,9 @@ its own process and engine, built once (its prefix cache reset before every poin
 every run of a point pays its prefill); at each point the sides run back to back, in an order that rotates,
 and every round runs every point again (this machine's speed drifts 10-30% over minutes: a
 side's whole run against the next side's whole run compares two phases of it). The best
-round of each side gives tokens/s; the ratio is against "off" at the same point. The script checks that every side
+round of each side gives tokens/s; the ratio against "off" at the same point is the median of
+the rounds' ratios (each side against off in the same round, back to back), with the lowest
+and highest. The script checks that every side
 produced the same tokens, and prints the mean accepted length and the answer lengths. Each
 speculative side runs once per --k value, named e.g. ngram_k5 (--k 3 5 compares K side by side).
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -298,8 +301,8 @@ def ask(proc: subprocess.Popen, side: str, point: str) -> dict:
 def run_rounds(args: argparse.Namespace) -> dict[tuple, dict]:
     """Every point once per round on every side, the sides back to back at each point in an
     order that rotates from point to point and round to round: this machine's speed drifts
-    over minutes, so the sides of one point meet the same phase of it. The best round of
-    each side at each point is kept."""
+    over minutes, so the sides of one point meet the same phase of it. Per point and side:
+    the best round's result, with every round's tokens/s in "rounds"."""
     points = [f"{w}/{b}" for w in args.workloads for b in args.batches]
     procs = start_sides(args)
     best: dict[tuple, dict] = {}
@@ -311,8 +314,10 @@ def run_rounds(args: argparse.Namespace) -> dict[tuple, dict]:
                     v = ask(procs[side], side, point)
                     print(json.dumps({"round": r, "side": side, "point": point, "tok_s": round(v["tok_s"], 2),
                                       "accepted_len": v["accepted_len"]}), flush=True)
+                    rounds = best.get((point, side), {}).get("rounds", []) + [v["tok_s"]]
                     if best.get((point, side), {"tok_s": 0})["tok_s"] < v["tok_s"]:
                         best[(point, side)] = v
+                    best[(point, side)]["rounds"] = rounds
     finally:
         for proc in procs.values():
             proc.stdin.close()
@@ -325,9 +330,9 @@ def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict], k: int)
     workload: drafting stays on while at most disable_by_batch_size requests run, so the
     suggestion is the largest measured batch size below the first one where it loses."""
     batches = sorted(args.batches)
-    ratios = {w: {b: best[(f"{w}/{b}", f"ngram_always_k{k}")]["tok_s"] / best[(f"{w}/{b}", "off")]["tok_s"]
-                  for b in batches} for w in args.workloads}
-    print(f"\nn-gram always on / off, tokens/s ratio by batch size (K={k}, best of {args.rounds} rounds):")
+    ratios = {w: {b: paired_ratio(best, f"{w}/{b}", f"ngram_always_k{k}", "off")[0] for b in batches}
+              for w in args.workloads}
+    print(f"\nn-gram always on / off, tokens/s ratio by batch size (K={k}, median of {args.rounds} rounds):")
     for w, by_batch in ratios.items():
         print(f"  {w:<12}" + "".join(f"  b{b}: {r:.2f}x" for b, r in by_batch.items()))
     losing = [b for b in batches if ratios["ordinary"][b] < 1.0]
@@ -348,11 +353,19 @@ def suggest_threshold(args: argparse.Namespace, best: dict[tuple, dict], k: int)
                                     "ratios": ratios}}))
 
 
+def paired_ratio(best: dict[tuple, dict], point: str, side: str, base: str) -> tuple[float, float, float]:
+    """The side's tokens/s over the base's, round by round (the two ran back to back): the
+    median, lowest and highest. Pairing within a round cancels the machine's slow drift, which
+    a ratio of two bests taken in different rounds does not."""
+    pairs = sorted(a / b for a, b in zip(best[(point, side)]["rounds"], best[(point, base)]["rounds"], strict=True))
+    return statistics.median(pairs), pairs[0], pairs[-1]
+
+
 def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
     draft = f", draft {args.draft}" if args.draft else ""
-    print(f"\nbest of {args.rounds} rounds{draft}: tokens/s, ratio against {args.sides[0]}, [mean accepted length];"
-          " (answer tokens, shortest-longest)")
-    print(f"{'point':<26}" + "".join(f"{s:>26}" for s in args.sides))
+    print(f"\n{args.rounds} rounds{draft}: best tokens/s, ratio against {args.sides[0]} (median of the rounds' "
+          "ratios, lowest-highest), [mean accepted length]; (answer tokens, shortest-longest)")
+    print(f"{'point':<26}" + "".join(f"{s:>34}" for s in args.sides))
     for workload in args.workloads:
         for batch in args.batches:
             point = f"{workload}/{batch}"
@@ -363,9 +376,10 @@ def report(args: argparse.Namespace, best: dict[tuple, dict]) -> None:
                 if v["tokens"] != base["tokens"]:
                     raise SystemExit(f"{side} produced other tokens than {args.sides[0]} at {point}")
                 acc = f" [{v['accepted_len']:.2f}]" if v["accepted_len"] else ""
-                cells.append(f"{v['tok_s']:8.1f} {v['tok_s'] / base['tok_s']:.2f}x{acc}")
+                mid, lo, hi = paired_ratio(best, point, side, args.sides[0])
+                cells.append(f"{v['tok_s']:8.1f} {mid:.2f}x {lo:.2f}-{hi:.2f}{acc}")
             label = f"{point} ({base['lengths'][0]}-{base['lengths'][1]})"
-            print(f"{label:<26}" + "".join(f"{c:>26}" for c in cells))
+            print(f"{label:<26}" + "".join(f"{c:>34}" for c in cells))
             if base["cut"] or any(best[(point, side)]["preemptions"] for side in args.sides):
                 print(f"  {point}: {base['cut']} answers cut at the cap (raise --repetition-max-tokens), preemptions "
                       + ", ".join(f"{side} {best[(point, side)]['preemptions']}" for side in args.sides))

@@ -332,8 +332,10 @@ void bind_scheduler(py::module_ &m) {
           py::arg("k"), py::arg("min_n"), py::arg("max_n"),
           "Prompt-lookup drafts for every candidate; returns how many got some.")
       .def("set_draft_backoff", &Scheduler::set_draft_backoff, py::arg("max_misses"), py::arg("pause_tokens"),
+           py::arg("skip_requests") = false,
            "Draft lengths follow what verification keeps, and a sequence whose last max_misses verification\n"
-           "steps kept no draft pauses drafting for its next pause_tokens tokens (max_misses 0: off).")
+           "steps kept no draft pauses drafting for its next pause_tokens tokens (max_misses 0: off);\n"
+           "skip_requests: new requests start without drafting while earlier ones kept too few drafts.")
       .def(
           "draft_limit",
           [](const Scheduler &s, const std::shared_ptr<Sequence> &seq, int k) {

@@ -142,11 +142,13 @@ class Scheduler {
   // run kept whole all k again. After `max_misses` verification steps in a row that keep
   // nothing, it stops being a draft candidate for its next `pause_tokens` tokens, then
   // probes with one draft; a probe that fails pauses twice as long as the pause before (at
-  // most 8 x pause_tokens) until a step keeps a draft again. Engine-wide, when requests in a
-  // row finish having kept fewer drafts than half their verification steps, new requests
-  // start without drafting: 1, 3, 7, then 15 in a row are left out (each failing request
-  // doubles the run), and one request that keeps enough ends it. max_misses 0: off (always k).
-  void set_draft_backoff(int max_misses, int pause_tokens);
+  // most 8 x pause_tokens) until a step keeps a draft again. With `skip_requests` (a proposer
+  // whose first drafts for a request cost a pass over its prompt: a draft model), also
+  // engine-wide: when requests in a row finish having kept fewer drafts than half their
+  // verification steps, new requests start without drafting: 1, 3, 7, then 15 in a row are
+  // left out (each failing request doubles the run), and one request that keeps enough ends
+  // it. max_misses 0: all off (always k).
+  void set_draft_backoff(int max_misses, int pause_tokens, bool skip_requests);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -198,6 +200,7 @@ class Scheduler {
   SchedulerStats stats_;
   int draft_max_misses_ = 0;  // set_draft_backoff
   int draft_pause_tokens_ = 0;
+  bool draft_skip_requests_ = false;
   int draft_failed_requests_ = 0;  // requests in a row whose drafts were rarely kept
   int draft_skip_ = 0;             // new requests still to start without drafting
   int64_t step_id_ = 0;

@@ -99,11 +99,12 @@ int Scheduler::draft_limit(const Sequence &seq, int k) const {
   return std::max(0, std::min(k, draft_room(seq)));
 }
 
-void Scheduler::set_draft_backoff(int max_misses, int pause_tokens) {
+void Scheduler::set_draft_backoff(int max_misses, int pause_tokens, bool skip_requests) {
   if (max_misses < 0 || pause_tokens < 1)
     throw std::invalid_argument("set_draft_backoff: needs max_misses >= 0 and pause_tokens >= 1");
   draft_max_misses_ = max_misses;
   draft_pause_tokens_ = pause_tokens;
+  draft_skip_requests_ = skip_requests;
 }
 
 // A verification step's drafts cost it a row each whether kept or not: on a CPU decode step
@@ -133,14 +134,16 @@ void Scheduler::note_acceptance(Sequence &seq, int matched, int num_drafts) {
   seq.draft_failed_probes = std::min(seq.draft_failed_probes + 1, kMaxPauseDoublings);
 }
 
-// The back-off across requests. Each request's own back-off still pays for its first drafts
-// and its probes, and with a draft model for a drafting pass over its prompt: a draft model
-// that rarely agrees with the target (an 8-layer layer-skip draft of SmolLM2 keeps ~3% of
-// its drafts) cost 10-20% at one request at a time that way. So while requests keep
-// finishing with few drafts kept, most new ones do not draft at all; every few requests one
-// still does, so traffic that starts to repeat itself is noticed.
+// The back-off across requests, for a draft model. Each request's own back-off still pays for
+// its first drafts and its probes, and a draft model's first drafts for a request start with a
+// pass over its prompt: a draft that rarely agrees with the target (an 8-layer layer-skip
+// draft of SmolLM2 keeps ~3% of its drafts) cost 7-20% at one request at a time that way. So
+// while requests keep finishing with few drafts kept, most new ones do not draft at all;
+// every few requests one still does, so traffic that starts to repeat itself is noticed.
+// Prompt lookup's first drafts cost a verification row only, and on prose a request that
+// drafted twice and kept nothing says little about the next: it is left out of this.
 void Scheduler::skip_drafting_if_failing(Sequence &seq) {
-  if (draft_max_misses_ == 0 || draft_skip_ == 0) return;
+  if (draft_max_misses_ == 0 || !draft_skip_requests_ || draft_skip_ == 0) return;
   --draft_skip_;
   seq.draft_resume_len = std::numeric_limits<int>::max();
   ++stats_.spec_skipped_requests;
@@ -148,7 +151,7 @@ void Scheduler::skip_drafting_if_failing(Sequence &seq) {
 
 void Scheduler::note_request_drafting(const Sequence &seq) {
   constexpr int kMaxSkipDoublings = 4;
-  if (draft_max_misses_ == 0 || seq.draft_steps == 0) return;
+  if (draft_max_misses_ == 0 || !draft_skip_requests_ || seq.draft_steps == 0) return;
   if (2 * seq.draft_kept >= seq.draft_steps) {
     draft_failed_requests_ = draft_skip_ = 0;
     return;

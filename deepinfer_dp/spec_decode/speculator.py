@@ -144,7 +144,9 @@ def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
                          "draft padding lives in the reserved block 0")
     runner.placeholder_tokens = 1 + config.num_speculative_tokens
     if config.disable_by_acceptance is not None:
-        engine.scheduler.set_draft_backoff(config.disable_by_acceptance, DRAFT_PAUSE_TOKENS)
+        # Across requests for a draft model only: its first drafts for a request cost a pass over the prompt.
+        engine.scheduler.set_draft_backoff(config.disable_by_acceptance, DRAFT_PAUSE_TOKENS,
+                                           skip_requests=config.method == "draft_model")
     if config.method == "ngram":
         return Speculator(config)
     if config.method == "draft_model":

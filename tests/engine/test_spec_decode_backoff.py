@@ -16,10 +16,10 @@ K = 5
 WRONG = 99  # the target's token whenever it disagrees with a draft (no draft is ever 99)
 
 
-def fresh(max_misses: int = 3, pause: int = 4) -> _C.Scheduler:
+def fresh(max_misses: int = 3, pause: int = 4, skip_requests: bool = True) -> _C.Scheduler:
     sched = _C.Scheduler(_C.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
                                             num_blocks=256, max_model_len=2048, vocab_size=100))
-    sched.set_draft_backoff(max_misses, pause)
+    sched.set_draft_backoff(max_misses, pause, skip_requests)
     return sched
 
 
@@ -132,6 +132,16 @@ def test_a_request_that_keeps_its_drafts_ends_the_engine_wide_back_off():
     start(sched, rid="after", max_tokens=20)
     assert step_all(sched, {})["after"] == K  # new requests draft again
     assert sched.stats["spec_decode_num_skipped_requests"] == 1
+
+
+def test_without_skip_requests_every_request_drafts():
+    sched = fresh(max_misses=1, pause=1000, skip_requests=False)
+    for i in range(3):
+        seq = start(sched, rid=f"bad{i}", max_tokens=6)
+        assert step(sched, seq, keep=0) is not None
+        while not seq.is_finished:
+            step(sched, seq, keep=0)
+    assert sched.stats["spec_decode_num_skipped_requests"] == 0
 
 
 def test_backoff_off_always_drafts_k():
