@@ -19,15 +19,15 @@ Two workloads, greedy, chat template applied:
   {i}."), exactly --max-tokens each (EOS ignored).
 At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: the five
 prompts one request after the other; the ordinary workload likewise runs five). Each side has
-its own process and engine, built once (its prefix cache reset before every point, so that
-every run of a point pays its prefill); at each point the sides run back to back, in an order that rotates,
-and every round runs every point again (this machine's speed drifts 10-30% over minutes: a
-side's whole run against the next side's whole run compares two phases of it). The best
-round of each side gives tokens/s; the ratio against "off" at the same point is the median of
-the rounds' ratios (each side against off in the same round, back to back), with the lowest
-and highest. The script checks that every side
-produced the same tokens, and prints the mean accepted length and the answer lengths. Each
-speculative side runs once per --k value, named e.g. ngram_k5 (--k 3 5 compares K side by side).
+its own process and engine, built once, with its prefix cache reset before every point so that
+every run of a point pays its prefill. At each point the sides run back to back, in an order
+that rotates, and every round runs every point again: this machine's speed drifts 10-30% over
+minutes, and a side's whole run against the next side's whole run compared two phases of it.
+The best round of each side gives tokens/s; the ratio against "off" at the same point is the
+median of the rounds' ratios (each side against off in the same round, back to back), with the
+lowest and highest. The script checks that every side produced the same tokens, and prints the
+mean accepted length and the answer lengths. Each speculative side runs once per --k value,
+named e.g. ngram_k5 (--k 3 5 compares K side by side).
 
 --threshold measures the auto-off threshold (disable_by_batch_size): n-gram always on against
 off, at batch sizes 1, 2, 4, 8, 16 and 32 (or --batches), on both workloads, and prints the

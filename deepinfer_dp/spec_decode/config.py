@@ -41,7 +41,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (tried first)")
     disable_by_batch_size: int | None = Field(
         DEFAULT_DISABLE_BY_BATCH_SIZE, ge=1,
-        description="no drafting while more requests than this are running (None: never off)")
+        description="no drafting while more requests than this are running or waiting (None: never off)")
     disable_by_acceptance: int | None = Field(
         DEFAULT_DISABLE_BY_ACCEPTANCE, ge=1,
         description="per request: each verification proposes one more draft than the last kept (all K after "

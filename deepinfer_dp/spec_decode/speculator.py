@@ -2,7 +2,7 @@
 reports the counters.
 
 Per step (LLMEngine.step calls `before_schedule` before Scheduler::schedule):
-- above `disable_by_batch_size` running requests, no drafts: the step is an ordinary
+- above `disable_by_batch_size` requests running or waiting, no drafts: the step is an ordinary
   decode step, deferred by ZOS as usual;
 - the acceptance back-off (`disable_by_acceptance`, Scheduler::set_draft_backoff): a
   request drafts one more token than its last verification kept (all K after a run kept
@@ -51,7 +51,11 @@ class Speculator:
         """Drafts for the next step unless the batch is too large; True when speculating
         (the step must then be post-processed in place, not deferred)."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and scheduler.num_running > limit:
+        # Requests waiting count, as vLLM counts enqueued requests: a batch being admitted
+        # passes through a moment with one request running (the others wait to share its
+        # prompt's blocks), and drafting for it then (a draft model's pass over the whole
+        # prompt) was thrown away when the next step filled up with prefills.
+        if limit is not None and scheduler.num_running + scheduler.num_waiting > limit:
             padding = getattr(self.proposer, "draft_padding", None)
             if padding is not None:  # MTP under EP: the peers may draft, their collectives need ours
                 start = time.perf_counter()

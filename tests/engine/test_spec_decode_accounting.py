@@ -59,7 +59,7 @@ def test_draft_time_rises_only_when_drafting(tiny_model_dir, prompts):
     engine = on.llm_engine
     for p in prompts:
         engine.add_request(prompt_token_ids=p, sampling_params=PARAMS)
-    engine.step()  # admits all 7 (nothing was running before it, so it looked up drafts)
+    engine.step()  # admits all 7 (7 waiting: the auto-off already in force)
     before = stats(on)
     assert engine.scheduler.num_running == len(prompts) > 2
     for _ in range(5):  # the auto-off in force: no lookup, no time
@@ -74,6 +74,28 @@ def test_draft_time_rises_only_when_drafting(tiny_model_dir, prompts):
     s = stats(on)
     assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_steps"] > after["spec_decode_steps"]
     assert s["spec_decode_draft_time_s"] > after["spec_decode_draft_time_s"]
+
+
+def test_the_batch_size_auto_off_counts_waiting_requests(tiny_model_dir, prompts):
+    # Two requests, limit 1: while the second waits, the first drafts nothing, even when it
+    # runs alone (a batch being admitted); once it waits no more, drafting starts.
+    on = LLM(tiny_model_dir, decode_sequence=False,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                 "prompt_lookup_max": 3, "disable_by_batch_size": 1})
+    engine = on.llm_engine
+    engine.add_request(prompt_token_ids=prompts[0], sampling_params=PARAMS)
+    engine.step()
+    second = engine.add_request(prompt_token_ids=prompts[1], sampling_params=PARAMS)
+    drafting_time = stats(on)["spec_decode_draft_time_s"]  # a lookup on the first step, no candidate yet
+    for _ in range(3):
+        engine.step()
+        assert engine.scheduler.num_running + engine.scheduler.num_waiting == 2
+    assert stats(on)["spec_decode_steps"] == 0 and stats(on)["spec_decode_draft_time_s"] == drafting_time
+    engine.abort_request(second)
+    while engine.has_local_unfinished_requests():
+        engine.step()
+    engine.flush_inflight_reqs()
+    assert stats(on)["spec_decode_steps"] > 0
 
 
 def test_draft_model_time_counts_drafting(tiny_model_dir, draft_dir, prompts):
