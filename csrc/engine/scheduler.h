@@ -146,8 +146,9 @@ class Scheduler {
   // whose first drafts for a request cost a pass over its prompt: a draft model), also
   // engine-wide: when requests in a row finish having kept fewer drafts than half their
   // verification steps, new requests start without drafting: 1, 3, 7, then 15 in a row are
-  // left out (each failing request doubles the run), and one request that keeps enough ends
-  // it. max_misses 0: all off (always k).
+  // left out (each failing request doubles the run); the request after them probes with one
+  // draft and, at its first miss, pauses as a failed probe would; one request that keeps
+  // enough ends it. max_misses 0: all off (always k).
   void set_draft_backoff(int max_misses, int pause_tokens, bool skip_requests);
 
   bool has_unfinished_seqs() const { return !waiting_.empty() || !running_.empty(); }
@@ -179,7 +180,7 @@ class Scheduler {
   int usable_drafts(const Sequence &seq, int budget) const;
   void clear_drafts();
   void note_acceptance(Sequence &seq, int matched, int num_drafts);
-  void skip_drafting_if_failing(Sequence &seq);
+  void admit_drafting(Sequence &seq);
   void note_request_drafting(const Sequence &seq);
   int draft_room(const Sequence &seq) const;
   bool draft_allowed(const Sequence &seq) const;

@@ -23,6 +23,10 @@ namespace deepinfer {
 namespace {
 // Most drafts one sequence may carry; far above any useful k, it bounds a bad caller.
 constexpr int kMaxDrafts = 64;
+// The acceptance back-off: a pause doubles at most this many times, and the run of requests
+// left out of drafting (engine-wide) at most kMaxSkipDoublings times.
+constexpr int kMaxPauseDoublings = 3;
+constexpr int kMaxSkipDoublings = 4;
 }  // namespace
 
 std::vector<int32_t> ngram_propose(const std::vector<int32_t> &tokens, int k, int min_n, int max_n) {
@@ -118,7 +122,6 @@ void Scheduler::set_draft_backoff(int max_misses, int pause_tokens, bool skip_re
 // doubles the pause (up to kMaxPauseDoublings times): a probe with a draft model also costs a
 // catch-up pass over the tokens it skipped.
 void Scheduler::note_acceptance(Sequence &seq, int matched, int num_drafts) {
-  constexpr int kMaxPauseDoublings = 3;
   ++seq.draft_steps;
   seq.draft_kept += matched;
   if (draft_max_misses_ == 0) return;
@@ -138,19 +141,25 @@ void Scheduler::note_acceptance(Sequence &seq, int matched, int num_drafts) {
 // its first drafts and its probes, and a draft model's first drafts for a request start with a
 // pass over its prompt: a draft that rarely agrees with the target (an 8-layer layer-skip
 // draft of SmolLM2 keeps ~3% of its drafts) cost 7-20% at one request at a time that way. So
-// while requests keep finishing with few drafts kept, most new ones do not draft at all;
-// every few requests one still does, so traffic that starts to repeat itself is noticed.
-// Prompt lookup's first drafts cost a verification row only, and on prose a request that
-// drafted twice and kept nothing says little about the next: it is left out of this.
-void Scheduler::skip_drafting_if_failing(Sequence &seq) {
-  if (draft_max_misses_ == 0 || !draft_skip_requests_ || draft_skip_ == 0) return;
-  --draft_skip_;
-  seq.draft_resume_len = std::numeric_limits<int>::max();
-  ++stats_.spec_skipped_requests;
+// while requests keep finishing with few drafts kept, most new ones do not draft at all, and
+// the one in every few that still does (so traffic that starts to repeat itself is noticed)
+// starts as a probe: one draft, and at its first miss a pause as long as the failed requests
+// before it have earned. Prompt lookup's first drafts cost a verification row only, and on
+// prose a request that drafted twice and kept nothing says little about the next: it is
+// left out of this.
+void Scheduler::admit_drafting(Sequence &seq) {
+  if (draft_max_misses_ == 0 || !draft_skip_requests_ || draft_failed_requests_ == 0) return;
+  if (draft_skip_ > 0) {
+    --draft_skip_;
+    seq.draft_resume_len = std::numeric_limits<int>::max();
+    ++stats_.spec_skipped_requests;
+    return;
+  }
+  seq.draft_len = 1;
+  seq.draft_failed_probes = std::min(draft_failed_requests_, kMaxPauseDoublings);
 }
 
 void Scheduler::note_request_drafting(const Sequence &seq) {
-  constexpr int kMaxSkipDoublings = 4;
   if (draft_max_misses_ == 0 || !draft_skip_requests_ || seq.draft_steps == 0) return;
   if (2 * seq.draft_kept >= seq.draft_steps) {
     draft_failed_requests_ = draft_skip_ = 0;

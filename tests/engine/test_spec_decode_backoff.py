@@ -118,6 +118,23 @@ def test_requests_that_keep_few_drafts_make_new_ones_start_without_drafting():
     assert sched.stats["spec_decode_num_skipped_requests"] == 4
 
 
+def test_the_request_after_the_left_out_ones_probes_with_one_draft():
+    sched = fresh(max_misses=3, pause=2)
+    bad = start(sched, rid="bad", max_tokens=10)
+    assert [step(sched, bad, keep=0) for _ in range(3)] == [K, 1, 1]  # a fresh engine: all K, 3 misses
+    while not bad.is_finished:
+        step(sched, bad, keep=0)
+    left_out = start(sched, rid="left_out", max_tokens=4)
+    while not left_out.is_finished:
+        assert step(sched, left_out) is None
+    probe = start(sched, rid="probe", max_tokens=40)
+    assert step(sched, probe, keep=0) == 1  # one draft, and its first miss pauses it at once,
+    plain = 0
+    while step(sched, probe, keep=0) is None:
+        plain += 1
+    assert plain == 3  # as long as a second pause: 4 tokens (the first the target's own)
+
+
 def test_a_request_that_keeps_its_drafts_ends_the_engine_wide_back_off():
     sched = fresh(max_misses=1, pause=1000)
     good = start(sched, rid="good", max_tokens=40)
