@@ -35,7 +35,6 @@ void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
       std::min<int64_t>(static_cast<int64_t>(seq->data.get_len()) + seq->limits.max_tokens, max_seq_len_));
   seq->data.reserve(final_len);
   seq->block_table.reserve(ceil_div(final_len, config_.block_size));
-  admit_drafting(*seq);
   waiting_.push_back(seq);
   by_request_[seq->request_id] = seq;
 }

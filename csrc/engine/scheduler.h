@@ -125,7 +125,9 @@ class Scheduler {
   // Speculative decoding (csrc/engine/scheduler_spec.cpp). Drafts are set between steps and
   // used by the next schedule() only; it drops those it cannot use.
   // Running sequences that may get drafts now: decode-ready, nothing in flight, drafting allowed.
-  std::vector<std::shared_ptr<Sequence>> draft_candidates() const;
+  // A sequence seen here for the first time gets its start in the engine-wide back-off
+  // (set_draft_backoff): only requests that could draft count there.
+  std::vector<std::shared_ptr<Sequence>> draft_candidates();
   // Whether a running sequence may draft now or, with a token in flight, at the next step:
   // drafting allowed and not paused by the acceptance back-off.
   bool may_draft() const;

@@ -52,10 +52,17 @@ bool Scheduler::draft_allowed(const Sequence &seq) const {
          seq.data.get_len() >= seq.draft_resume_len;
 }
 
-std::vector<std::shared_ptr<Sequence>> Scheduler::draft_candidates() const {
+std::vector<std::shared_ptr<Sequence>> Scheduler::draft_candidates() {
   std::vector<std::shared_ptr<Sequence>> out;
-  for (const auto &seq : running_)
-    if (draft_allowed(*seq) && seq->num_pending == 0 && seq->num_uncomputed() == 1) out.push_back(seq);
+  for (const auto &seq : running_) {
+    if (!draft_allowed(*seq) || seq->num_pending != 0 || seq->num_uncomputed() != 1) continue;
+    if (!seq->draft_admitted) {
+      seq->draft_admitted = true;
+      admit_drafting(*seq);
+      if (!draft_allowed(*seq)) continue;
+    }
+    out.push_back(seq);
+  }
   return out;
 }
 
@@ -144,7 +151,9 @@ void Scheduler::note_acceptance(Sequence &seq, int matched, int num_drafts) {
 // while requests keep finishing with few drafts kept, most new ones do not draft at all, and
 // the one in every few that still does (so traffic that starts to repeat itself is noticed)
 // starts as a probe: one draft, and at its first miss a pause as long as the failed requests
-// before it have earned. Prompt lookup's first drafts cost a verification row only, and on
+// before it have earned. A request is counted when it first could draft (a draft candidate,
+// with speculation on), not when it arrives: one that runs in a large batch throughout never
+// drafts either way, and must not use up the requests to be left out. Prompt lookup's first drafts cost a verification row only, and on
 // prose a request that drafted twice and kept nothing says little about the next: it is
 // left out of this.
 void Scheduler::admit_drafting(Sequence &seq) {

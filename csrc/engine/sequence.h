@@ -94,6 +94,7 @@ class Sequence {
   int draft_resume_len = 0;
   int draft_steps = 0;  // its verification steps, and the drafts they kept (engine-wide back-off)
   int draft_kept = 0;
+  bool draft_admitted = false;  // has been a draft candidate once: its start in the back-off is set
   int draft_failed_probes = 0;  // pauses in a row: each doubles the next one
 
   std::vector<int32_t> block_table;

@@ -118,6 +118,21 @@ def test_requests_that_keep_few_drafts_make_new_ones_start_without_drafting():
     assert sched.stats["spec_decode_num_skipped_requests"] == 4
 
 
+def test_only_requests_that_could_draft_are_left_out():
+    sched = fresh(max_misses=1, pause=1000)
+    bad = start(sched, rid="bad", max_tokens=6)
+    while not bad.is_finished:
+        step(sched, bad, keep=0)
+    # A request that never is a draft candidate (speculation off for it: no proposer asked)
+    # does not use up the one request to be left out.
+    unseen = start(sched, rid="unseen", max_tokens=6)
+    while not unseen.is_finished:
+        sched.process_outputs(sched.schedule(), np.array([WRONG]))
+    later = start(sched, rid="later", max_tokens=6)
+    assert step(sched, later) is None
+    assert sched.stats["spec_decode_num_skipped_requests"] == 1
+
+
 def test_the_request_after_the_left_out_ones_probes_with_one_draft():
     sched = fresh(max_misses=3, pause=2)
     bad = start(sched, rid="bad", max_tokens=10)
