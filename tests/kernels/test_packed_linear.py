@@ -5,6 +5,10 @@ the modules that route small batches to the kernel and large ones to a widened G
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +102,33 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(fmt):
         assert torch.equal(packed_kernel(x[i:i + 1].clone(), w, None), whole[i:i + 1])
         for rows in (2, 3, 4, 5, 6, 7, 8, 9):
             assert torch.equal(packed_kernel(x[i:i + rows].clone(), w, None, threads=2), whole[i:i + rows])
+
+
+AVX2_ONLY = """
+import sys, numpy as np
+from deepinfer_dp import _C
+x, w, fmt, cols, out = (np.load(sys.argv[1]), np.load(sys.argv[2]), sys.argv[3], int(sys.argv[4]), np.load(sys.argv[5]))
+_C.packed_linear(x, w, fmt, cols, None, out, 2)
+np.save(sys.argv[5], out)
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx512_and_avx2_kernels_give_the_same_floats(fmt, tmp_path):
+    """1-8 rows take the AVX-512 pair kernel where the CPU has it: the AVX2 kernel (forced by
+    DEEPINFER_DP_PACKED_AVX512=0, read once per process, so in a child) gives every float
+    the same. An odd row count exercises the last row paired with itself."""
+    w, _ = packed_matrix(fmt, 45, 576)
+    for m in range(1, 9):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        here = packed_kernel(x, w, None, threads=2)
+        paths = [tmp_path / n for n in ("x.npy", "w.npy", "out.npy")]
+        for path, arr in zip(paths, (x.numpy(), w.data, np.full((m, 45), np.nan, np.float32)), strict=True):
+            np.save(path, arr)
+        env = {**os.environ, "DEEPINFER_DP_PACKED_AVX512": "0"}
+        subprocess.run([sys.executable, "-c", AVX2_ONLY, str(paths[0]), str(paths[1]), fmt, "576", str(paths[2])],
+                       env=env, check=True, timeout=120)
+        assert torch.equal(torch.from_numpy(np.load(paths[2])), here), m
 
 
 @pytest.mark.parametrize("call,match", [
