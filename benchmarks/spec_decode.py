@@ -18,7 +18,8 @@ Two workloads, greedy, chat template applied:
 - ordinary: the offline-throughput prompts ("Write a short story about a robot number
   {i}."), exactly --max-tokens each (EOS ignored).
 At batch sizes 1, 4, 16, 64 by default: `b` requests submitted together (batch 1: the five
-prompts one request after the other; the ordinary workload likewise runs five). Each side has
+prompts one request after the other, on both workloads; batches 2-8: 16 requests, as 16 / b
+batches one after the other, so that a point is long enough to measure). Each side has
 its own process and engine, built once, with its prefix cache reset before every point so that
 every run of a point pays its prefill. At each point the sides run back to back, in an order
 that rotates, and every round runs every point again: this machine's speed drifts 10-30% over
@@ -147,6 +148,7 @@ REPETITION = [
 ]
 ORDINARY = "Write a short story about a robot number {i}."
 THRESHOLD_BATCHES = [1, 2, 4, 8, 16, 32]
+MIN_REQUESTS = 16  # below this batch size a point runs several batches, see requests_at
 KV_GB = 1.0  # room for 64 repetition requests (about 400 tokens each) without preemption
 
 
@@ -185,10 +187,17 @@ def build(side: str, draft: str | None):
     return LLM(speculative_config=spec, **common)
 
 
+def requests_at(batch: int) -> int:
+    """Requests a point runs: batch 1, the five prompts one after the other; a batch smaller
+    than MIN_REQUESTS, as many batches one after the other as make MIN_REQUESTS (a point of a
+    few hundred tokens swung 5% on this machine's noise alone); else one batch."""
+    return len(REPETITION) if batch == 1 else batch * max(1, MIN_REQUESTS // batch)
+
+
 def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, list, dict]:
     before = llm.rank_stats()[0]
-    # Batch 1: every prompt, one request after the other (more tokens, a steadier number).
-    groups = [[i] for i in ids] if batch == 1 else [ids]
+    # Several batches one after the other where one is short (more tokens, a steadier number).
+    groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
     start = time.perf_counter()
     outs = []
     for g in groups:
@@ -224,7 +233,7 @@ def run_one(llm, tok, args: argparse.Namespace, workload: str, batch: int) -> di
 
     cap = args.repetition_max_tokens if workload == "repetition" else args.max_tokens
     params = SamplingParams(temperature=0.0, max_tokens=cap, ignore_eos=workload == "ordinary")
-    n = len(REPETITION) if batch == 1 else batch
+    n = requests_at(batch)
     # Every point runs once a round in the same engine: a repeat would otherwise find its
     # prompts in the prefix cache and skip the prefill, which is part of what a request costs.
     if not llm.llm_engine.reset_prefix_cache():
