@@ -50,6 +50,14 @@ DEEPINFER_AVX2_FN void widen_bf16(const uint8_t *b, __m256 w[4]) {
   }
 }
 
+// cpu_linear's horizontal sum, step for step (the same float whatever the path).
+DEEPINFER_AVX2_FN float sum8(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
 // Scales are fp16, so scale * quant is exact in fp32: Q4_0's (q - 8) * d rounds nowhere, and
 // Q4_1's d * q + min rounds once, as gguf's separate multiply and add do (a fused
 // multiply-add gives the same float).

@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "cpu_linear.h"
 #include "packed_blocks.h"
+#include "packed_linear_avx512.h"
 #include "thread_pool.h"
 
 namespace deepinfer {
@@ -31,14 +30,6 @@ constexpr int64_t kMinBytesPerThread = 1 << 15;
 
 #ifdef DEEPINFER_PACKED_AVX2
 using namespace packed_detail;
-
-// cpu_linear's horizontal sum, step for step (the same float whatever the path).
-DEEPINFER_AVX2_FN float sum8(__m256 a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 // MB input rows against NB weight rows of format F, widening each weight block in registers
 // straight into the multiply-adds: at a few rows the widening is most of the work, and a
@@ -113,87 +104,8 @@ void few_inputs(const float *x, const PackedMatrix &w, const float *bias, float 
   }
 }
 
-// The AVX-512 form of rows_inputs: a pair of weight rows widened into one set of 512-bit
-// registers (row a in the low halves, row b in the high ones), against MB input rows
-// broadcast to both halves. Each half of an accumulator runs rows_inputs' chain for its row
-// step for step, so every output is the same float, while the multiply-adds and most of the
-// widening do two rows per instruction. One pair a pass: on these cores 512-bit work issues
-// on two ports only, and more pairs a pass measured slower at every row count (1.0-1.4x
-// slower at 1-6 input rows), the widening of one pair already filling the gaps in the
-// chains. Row b == row a (an odd last row) computes it twice and stores it once.
-template <class F, int MB>
-__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c"))) void pair_inputs(
-    const float *x, const PackedMatrix &w, const float *bias, float *y, int a, int b) {
-  const int K = w.cols;
-  const uint8_t *pa = w.data + static_cast<size_t>(a) * w.row_bytes, *pb = w.data + static_cast<size_t>(b) * w.row_bytes;
-  __m512 acc[MB];
-  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
-  __m512 wv[4], xv[4];
-  for (int k = 0; k < K; k += 32) {
-    if (MB == 1)
-      for (int i = 0; i < 4; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
-    _mm_prefetch(reinterpret_cast<const char *>(pa + kAheadRows * w.row_bytes), _MM_HINT_T0);  // two pairs on
-    _mm_prefetch(reinterpret_cast<const char *>(pb + kAheadRows * w.row_bytes), _MM_HINT_T0);
-    F::widen_pair(pa, pb, wv);
-    pa += F::kBytes;
-    pb += F::kBytes;
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < MB; ++j)
-        acc[j] = _mm512_fmadd_ps(
-            wv[i], MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
-            acc[j]);
-  }
-  for (int j = 0; j < MB; ++j) {
-    const float sa = sum8(_mm512_castps512_ps256(acc[j])), sb = sum8(_mm512_extractf32x8_ps(acc[j], 1));
-    float *yj = y + static_cast<size_t>(j) * w.rows;
-    yj[a] = bias ? sa + bias[a] : sa;
-    if (b != a) yj[b] = bias ? sb + bias[b] : sb;
-  }
-}
-
-template <class F, int MB>
-__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c"))) void pair_columns(
-    const float *x, const PackedMatrix &w, const float *bias, float *y, int n0, int n1) {
-  for (int n = n0; n < n1; n += 2) pair_inputs<F, MB>(x, w, bias, y, n, std::min(n + 1, n1 - 1));
-}
-
-template <class F>
-void few_inputs_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
-  switch (M) {
-    case 1: return pair_columns<F, 1>(x, w, bias, y, n0, n1);
-    case 2: return pair_columns<F, 2>(x, w, bias, y, n0, n1);
-    case 3: return pair_columns<F, 3>(x, w, bias, y, n0, n1);
-    case 4: return pair_columns<F, 4>(x, w, bias, y, n0, n1);
-    case 5: return pair_columns<F, 5>(x, w, bias, y, n0, n1);
-    case 6: return pair_columns<F, 6>(x, w, bias, y, n0, n1);
-    case 7: return pair_columns<F, 7>(x, w, bias, y, n0, n1);
-    default: return pair_columns<F, kFewRows>(x, w, bias, y, n0, n1);
-  }
-}
-
-// The AVX-512 pair kernel where the CPU has it, unless DEEPINFER_DP_PACKED_AVX512=0 (the same
-// floats either way; the switch lets a test run both paths, and a user avoid 512-bit code
-// on a CPU that slows its clock for it).
-bool use_avx512() {
-  static const bool on = [] {
-    const char *env = std::getenv("DEEPINFER_DP_PACKED_AVX512");
-    return !(env && std::string(env) == "0") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return on;
-}
-
 // M in [1, kFewRows]: the format picked once, outside every loop.
 void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
-  if (use_avx512()) {
-    switch (w.format) {
-      case WeightFormat::kBF16: return few_inputs_avx512<BF16>(x, w, bias, y, M, n0, n1);
-      case WeightFormat::kQ4_0: return few_inputs_avx512<Q4_0>(x, w, bias, y, M, n0, n1);
-      case WeightFormat::kQ4_1: return few_inputs_avx512<Q4_1>(x, w, bias, y, M, n0, n1);
-      case WeightFormat::kQ8_0: return few_inputs_avx512<Q8_0>(x, w, bias, y, M, n0, n1);
-    }
-  }
   switch (w.format) {
     case WeightFormat::kBF16: return few_inputs<BF16>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_0: return few_inputs<Q4_0>(x, w, bias, y, M, n0, n1);
@@ -214,7 +126,12 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
                            int n_end) {
   const int K = w.cols, N = w.rows;
 #ifdef DEEPINFER_PACKED_AVX2
-  if (M <= kFewRows && fused_ok(w)) return fused_inputs(x, w, bias, y, M, n_begin, n_end);
+  if (fused_ok(w)) {
+    if (packed_avx512_enabled())
+      return M <= kFewRows ? packed_few_rows_avx512(x, w, bias, y, M, n_begin, n_end)
+                           : packed_many_rows_avx512(x, w, bias, y, M, n_begin, n_end);
+    if (M <= kFewRows) return fused_inputs(x, w, bias, y, M, n_begin, n_end);
+  }
 #endif
   // One buffer per thread, kept between calls: kGroupRows rows of K floats (27 KB at K = 576).
   thread_local std::vector<float> rows;

@@ -115,11 +115,12 @@ np.save(sys.argv[5], out)
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_and_avx2_kernels_give_the_same_floats(fmt, tmp_path):
-    """1-8 rows take the AVX-512 pair kernel where the CPU has it: the AVX2 kernel (forced by
-    DEEPINFER_DP_PACKED_AVX512=0, read once per process, so in a child) gives every float
-    the same. An odd row count exercises the last row paired with itself."""
+    """Where the CPU has AVX-512, the pair kernels (1-8 rows in registers, 9 and up through
+    the pair buffer) give every float the AVX2 kernels give (forced by
+    DEEPINFER_DP_PACKED_AVX512=0, read once per process, so in a child). 45 weight rows: the
+    last row paired with itself, and groups and tiles left short."""
     w, _ = packed_matrix(fmt, 45, 576)
-    for m in range(1, 9):
+    for m in (*range(1, 11), 13, 16):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
         here = packed_kernel(x, w, None, threads=2)
         paths = [tmp_path / n for n in ("x.npy", "w.npy", "out.npy")]

@@ -1,0 +1,193 @@
+#include "packed_linear_avx512.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "packed_blocks.h"
+
+namespace deepinfer {
+
+#ifdef DEEPINFER_PACKED_AVX512
+bool packed_avx512_enabled() {
+  static const bool on = [] {
+    const char *env = std::getenv("DEEPINFER_DP_PACKED_AVX512");
+    return !(env && std::strcmp(env, "0") == 0) && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return on;
+}
+
+namespace {
+using namespace packed_detail;
+
+#define AVX512_KERNEL __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")))
+
+constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernel prefetches
+constexpr int kTilePairs = 3;  // the buffered path's tiles: 3 pairs (6 weight rows) x 4 input rows
+constexpr int kTileInputs = 8;
+constexpr int kGroupPairs = 6;  // pairs widened into the buffer at a time (as the AVX2 path's 12 rows)
+
+// The two halves of an accumulator as the outputs of rows a and b; b == a (an odd last row
+// paired with itself) is stored once.
+AVX512_KERNEL inline void store_pair(__m512 acc, const float *bias, float *y, int a, int b) {
+  const float sa = sum8(_mm512_castps512_ps256(acc)), sb = sum8(_mm512_extractf32x8_ps(acc, 1));
+  y[a] = bias ? sa + bias[a] : sa;
+  if (b != a) y[b] = bias ? sb + bias[b] : sb;
+}
+
+// The fused path: rows a and b widened in registers against MB input rows broadcast to both
+// halves. One pair a pass: 512-bit work issues on two ports only, and two to four pairs a
+// pass measured 1.0-1.4x slower at 1-6 input rows (one pair's widening already fills the
+// gaps in its chains).
+template <class F, int MB>
+AVX512_KERNEL void pair_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int a, int b) {
+  const int K = w.cols;
+  const uint8_t *pa = w.data + static_cast<size_t>(a) * w.row_bytes, *pb = w.data + static_cast<size_t>(b) * w.row_bytes;
+  __m512 acc[MB], wv[4], xv[4];
+  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    if (MB == 1)
+      for (int i = 0; i < 4; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
+    _mm_prefetch(reinterpret_cast<const char *>(pa + kAheadRows * w.row_bytes), _MM_HINT_T0);  // two pairs on
+    _mm_prefetch(reinterpret_cast<const char *>(pb + kAheadRows * w.row_bytes), _MM_HINT_T0);
+    F::widen_pair(pa, pb, wv);
+    pa += F::kBytes;
+    pb += F::kBytes;
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < MB; ++j)
+        acc[j] = _mm512_fmadd_ps(
+            wv[i], MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
+            acc[j]);
+  }
+  for (int j = 0; j < MB; ++j) store_pair(acc[j], bias, y + static_cast<size_t>(j) * w.rows, a, b);
+}
+
+template <class F, int MB>
+AVX512_KERNEL void pair_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int n0, int n1) {
+  for (int n = n0; n < n1; n += 2) pair_inputs<F, MB>(x, w, bias, y, n, std::min(n + 1, n1 - 1));
+}
+
+template <class F>
+void few_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  switch (M) {
+    case 1: return pair_columns<F, 1>(x, w, bias, y, n0, n1);
+    case 2: return pair_columns<F, 2>(x, w, bias, y, n0, n1);
+    case 3: return pair_columns<F, 3>(x, w, bias, y, n0, n1);
+    case 4: return pair_columns<F, 4>(x, w, bias, y, n0, n1);
+    case 5: return pair_columns<F, 5>(x, w, bias, y, n0, n1);
+    case 6: return pair_columns<F, 6>(x, w, bias, y, n0, n1);
+    case 7: return pair_columns<F, 7>(x, w, bias, y, n0, n1);
+    default: return pair_columns<F, 8>(x, w, bias, y, n0, n1);
+  }
+}
+
+// The buffered path's widening: pair p of `rows` into buf + p * 2K, interleaved by 8 values
+// (row a's 8c..8c+7, then row b's), so that one aligned 64-byte load gives a tile its pair.
+template <class F>
+AVX512_KERNEL void widen_pairs(const PackedMatrix &w, const int (*rows)[2], int pairs, float *buf) {
+  __m512 wv[4];
+  for (int p = 0; p < pairs; ++p) {
+    const uint8_t *pa = w.data + static_cast<size_t>(rows[p][0]) * w.row_bytes;
+    const uint8_t *pb = w.data + static_cast<size_t>(rows[p][1]) * w.row_bytes;
+    float *out = buf + static_cast<size_t>(p) * 2 * w.cols;
+    for (int k = 0; k < w.cols; k += 32, pa += F::kBytes, pb += F::kBytes, out += 64) {
+      F::widen_pair(pa, pb, wv);
+      for (int i = 0; i < 4; ++i) _mm512_store_ps(out + 16 * i, wv[i]);
+    }
+  }
+}
+
+// NP buffered pairs against MB input rows: cpu_linear's tile, each chain the same.
+template <int NP, int MB>
+AVX512_KERNEL void pair_tile(const float *buf, const float *x, const int (*rows)[2], const float *bias, float *y,
+                             int N, int K) {
+  __m512 acc[NP][MB];
+  for (int p = 0; p < NP; ++p)
+    for (int j = 0; j < MB; ++j) acc[p][j] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 8) {
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = _mm512_load_ps(buf + static_cast<size_t>(p) * 2 * K + 2 * k);
+    for (int j = 0; j < MB; ++j) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k));
+      for (int p = 0; p < NP; ++p) acc[p][j] = _mm512_fmadd_ps(wv[p], xv, acc[p][j]);
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int j = 0; j < MB; ++j) store_pair(acc[p][j], bias, y + static_cast<size_t>(j) * N, rows[p][0], rows[p][1]);
+}
+
+// The buffered pairs against every input row, kTileInputs rows at a time (the inputs stream
+// once per group of pairs).
+template <int NP>
+AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const int (*rows)[2], const float *bias,
+                                        float *y, int M, int N, int K) {
+  int m = 0;
+  for (; m + kTileInputs <= M; m += kTileInputs)
+    pair_tile<NP, kTileInputs>(buf, x + static_cast<size_t>(m) * K, rows, bias, y + static_cast<size_t>(m) * N, N, K);
+  const float *xm = x + static_cast<size_t>(m) * K;
+  float *ym = y + static_cast<size_t>(m) * N;
+  switch (M - m) {
+    case 7: return pair_tile<NP, 7>(buf, xm, rows, bias, ym, N, K);
+    case 6: return pair_tile<NP, 6>(buf, xm, rows, bias, ym, N, K);
+    case 5: return pair_tile<NP, 5>(buf, xm, rows, bias, ym, N, K);
+    case 4: return pair_tile<NP, 4>(buf, xm, rows, bias, ym, N, K);
+    case 3: return pair_tile<NP, 3>(buf, xm, rows, bias, ym, N, K);
+    case 2: return pair_tile<NP, 2>(buf, xm, rows, bias, ym, N, K);
+    case 1: return pair_tile<NP, 1>(buf, xm, rows, bias, ym, N, K);
+    default: return;
+  }
+}
+
+template <class F>
+void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  const int K = w.cols;
+  // One 64-byte-aligned buffer per thread, kept between calls: kGroupPairs pairs of K floats each.
+  thread_local std::vector<float> storage;
+  storage.resize(static_cast<size_t>(kGroupPairs) * 2 * K + 16);
+  float *buf = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  int rows[kGroupPairs][2];
+  for (int n = n0; n < n1; n += 2 * kGroupPairs) {
+    int pairs = 0;
+    for (int r = n; r < std::min(n1, n + 2 * kGroupPairs); r += 2, ++pairs) {
+      rows[pairs][0] = r;
+      rows[pairs][1] = std::min(r + 1, n1 - 1);
+    }
+    widen_pairs<F>(w, rows, pairs, buf);
+    int p = 0;
+    for (; p + kTilePairs <= pairs; p += kTilePairs)
+      pairs_against_inputs<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, w.rows, K);
+    for (; p < pairs; ++p) pairs_against_inputs<1>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, w.rows, K);
+  }
+}
+
+}  // namespace
+
+void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
+                            int n1) {
+  switch (w.format) {
+    case WeightFormat::kBF16: return few_rows<BF16>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_0: return few_rows<Q4_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_1: return few_rows<Q4_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ8_0: return few_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+  }
+}
+
+void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
+                             int n1) {
+  switch (w.format) {
+    case WeightFormat::kBF16: return many_rows<BF16>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_0: return many_rows<Q4_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_1: return many_rows<Q4_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+  }
+}
+#else
+bool packed_avx512_enabled() { return false; }
+void packed_few_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
+void packed_many_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
+#endif
+
+}  // namespace deepinfer
