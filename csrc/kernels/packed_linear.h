@@ -6,7 +6,8 @@
 // matrix, whatever the row count or the thread split, while memory carries only the packed
 // bytes (Q4_1: 5 bits a weight instead of 32). At up to 8 input rows (decode, speculative
 // verification) the blocks are widened in registers straight into the same chains of
-// multiply-adds, with no buffer.
+// multiply-adds, with no buffer. On a CPU with AVX-512 both paths take their pair forms
+// (packed_linear_avx512.h): two weight rows a 512-bit register, the same floats.
 //
 // This is the API other CPU kernels (MoE experts) call: "a packed weight matrix times fp32
 // rows".
