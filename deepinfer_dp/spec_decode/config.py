@@ -14,8 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # at 4 (K=3 lost there in two runs of three) and 0.91-0.95x at 8 (README, "Speculative decoding").
 # Once the packed kernel kept 8 multiply-add chains in flight at 2-8 rows, a plain step of two
 # sequences got 1.3x cheaper and drafting at 2 lost: 0.82x (K=5) and 0.87x (K=7) on ordinary
-# prompts, best of 3 rounds, against 1.04x / 1.11x at 1. So drafting is for a lone request.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 1
+# prompts, best of 3 rounds, against 1.04x / 1.11x at 1. With the AVX-512 pair kernels a
+# verification step of 2 x 6 rows got 1.3-1.4x cheaper, and n-gram always on (K=5, --threshold
+# --rounds 2 --batches 1 2 4) ran ordinary prompts 1.09x / 1.02x / 0.97x at 1 / 2 / 4 requests
+# (repetition 2.12x / 1.65x / 1.39x): drafting stays on up to 2 requests.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 # The acceptance back-off, per request (Scheduler::set_draft_backoff). Each draft is a row of
 # the verification step whether kept or not: on 2 cores 2 rows cost ~1.15x one row, 4 rows
 # ~1.45x, 8 rows ~2.5x. So a request drafts as many tokens as its last verification suggests
