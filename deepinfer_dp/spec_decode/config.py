@@ -17,8 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # prompts, best of 3 rounds, against 1.04x / 1.11x at 1. With the AVX-512 pair kernels a
 # verification step of 2 x 6 rows got 1.3-1.4x cheaper, and n-gram always on (K=5, --threshold
 # --rounds 2 --batches 1 2 4) ran ordinary prompts 1.09x / 1.02x / 0.97x at 1 / 2 / 4 requests
-# (repetition 2.12x / 1.65x / 1.39x): drafting stays on up to 2 requests.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+# (repetition 2.12x / 1.65x / 1.39x): n-gram drafting stays on up to 2 requests. A draft
+# model's drafting costs K of its own forwards a step and a pass over a request's sequence
+# when it starts drafting for it, so it stops paying sooner: with the default at 2, the
+# 8-layer layer-skip draft of SmolLM2 ran 0.97x at 2 requests and 0.93x at 4 (the tails of
+# 4-request batches, where 2 are left), against 1.01x / 0.97x with drafting for a lone
+# request (--rounds 3 --k 5, README). So per method, unless the config says otherwise:
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1, "mtp": 1}
 # The acceptance back-off, per request (Scheduler::set_draft_backoff). Each draft is a row of
 # the verification step whether kept or not: on 2 cores 2 rows cost ~1.15x one row, 4 rows
 # ~1.45x, 8 rows ~2.5x. So a request drafts as many tokens as its last verification suggests
@@ -43,8 +48,8 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up")
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (tried first)")
     disable_by_batch_size: int | None = Field(
-        DEFAULT_DISABLE_BY_BATCH_SIZE, ge=1,
-        description="no drafting while more requests than this are running or waiting (None: never off)")
+        1, ge=1, description="no drafting while more requests than this are running or waiting (None: never "
+                             f"off; default per method: {DEFAULT_DISABLE_BY_BATCH_SIZE})")
     disable_by_acceptance: int | None = Field(
         DEFAULT_DISABLE_BY_ACCEPTANCE, ge=1,
         description="per request: each verification proposes one more draft than the last kept (all K after "
@@ -57,6 +62,15 @@ class SpeculativeConfig(BaseModel):
     def _refuse_unbuilt(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("method") == "eagle":
             raise ValueError("method: 'eagle' is not available yet; use 'ngram', 'draft_model' or 'mtp'")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_batch_size(cls, data: Any) -> Any:
+        """The measured disable_by_batch_size of the method, unless the config names one (None too)."""
+        if isinstance(data, dict) and "disable_by_batch_size" not in data \
+                and data.get("method") in DEFAULT_DISABLE_BY_BATCH_SIZE:
+            return {**data, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE[data["method"]]}
         return data
 
     @model_validator(mode="after")

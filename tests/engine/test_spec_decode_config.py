@@ -20,7 +20,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_flag_yaml_and_keyword_agree(tmp_path):
     want = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-            "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE,
+            "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE["ngram"],
             "disable_by_acceptance": DEFAULT_DISABLE_BY_ACCEPTANCE, "model": None}
     flag = load_config(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
     path = tmp_path / "spec.yaml"
@@ -29,6 +29,19 @@ def test_flag_yaml_and_keyword_agree(tmp_path):
     assert load_config_file(path).engine_config().speculative_config == want
     assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).speculative_config == want
     assert EngineConfig().speculative_config is None
+
+
+def test_batch_size_auto_off_defaults_per_method_unless_given():
+    """n-gram drafts up to 2 requests, a draft model (K forwards of its own a step) only for
+    a lone request; a value in the config, None (never off) included, is kept."""
+    def batch_size(**spec):
+        return EngineConfig(speculative_config={"num_speculative_tokens": 3, **spec}).speculative_config[
+            "disable_by_batch_size"]
+
+    assert batch_size(method="ngram") == DEFAULT_DISABLE_BY_BATCH_SIZE["ngram"] == 2
+    assert batch_size(method="draft_model", model="/some/draft") == DEFAULT_DISABLE_BY_BATCH_SIZE["draft_model"] == 1
+    assert batch_size(method="ngram", disable_by_batch_size=None) is None
+    assert batch_size(method="draft_model", model="/some/draft", disable_by_batch_size=4) == 4
 
 
 def test_bad_values_name_the_key(tmp_path):
