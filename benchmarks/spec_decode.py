@@ -188,15 +188,13 @@ def build(side: str, draft: str | None):
 
 
 def requests_at(batch: int) -> int:
-    """Requests a point runs: batch 1, the five prompts one after the other; a batch smaller
-    than MIN_REQUESTS, as many batches one after the other as make MIN_REQUESTS (a point of a
-    few hundred tokens swung 5% on this machine's noise alone); else one batch."""
+    """Batch 1: the five prompts; under MIN_REQUESTS, that many as several batches (a point of
+    a few hundred tokens swung 5% on noise alone); else one batch."""
     return len(REPETITION) if batch == 1 else batch * max(1, MIN_REQUESTS // batch)
 
 
 def run_point(llm, ids: list[list[int]], batch: int, params) -> tuple[float, list, dict]:
     before = llm.rank_stats()[0]
-    # Several batches one after the other where one is short (more tokens, a steadier number).
     groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
     start = time.perf_counter()
     outs = []
