@@ -1,7 +1,7 @@
 """The grammar library behind structured output: llguidance.
 
-Chosen by measurement on this machine (benchmarks/grammar_backends.py, numbers in the
-README): llguidance compiles a JSON schema 4-15x faster than xgrammar and has no
+Chosen by measurement (benchmarks/grammar_backends.py, numbers in docs/benchmarks.md):
+llguidance compiles a JSON schema about 8-11x faster than xgrammar and has no
 dependencies, where xgrammar pulls in triton (about 1 GB) on Linux; xgrammar's masks are
 faster per step, but llguidance's fit well inside a CPU decode step (and are computed while
 the forward runs, see manager.py).
