@@ -38,9 +38,9 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.linear import replace_linears
+from deepinfer_dp.layers.rejection_sampler import draft_distribution, exponential_race
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache
 from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.spec_decode.rejection import draft_distribution, exponential_race
 
 
 class DraftModelProposer:

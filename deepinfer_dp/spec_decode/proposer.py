@@ -19,7 +19,7 @@ fed row, `sample_indices` picks the sampled ones, and the scheduler output that 
 proposer sees in `propose` (through the scheduler's sequences) says which rows were
 accepted. Under sampling, a proposer that samples its drafts from a distribution q
 returns q through `draft_probs` so that verification can run the min(1, p/q) test
-(spec_decode/rejection.py); a deterministic proposer (n-gram) has no `draft_probs`.
+(layers/rejection_sampler.py); a deterministic proposer (n-gram) has no `draft_probs`.
 (A draft model recomputes what it missed from the tokens; an MTP head cannot recompute the
 target's hidden states, so it will want every pass shown: Worker.execute_model_step sets
 ModelInput.observe_target, today for speculative steps only.)

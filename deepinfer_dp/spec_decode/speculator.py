@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.rejection_sampler import DraftRows
 from deepinfer_dp.layers.sampler import SamplingBatch
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode.config import DRAFT_PAUSE_TOKENS, SpeculativeConfig, parse_speculative_config
 from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer, TargetStep
-from deepinfer_dp.spec_decode.rejection import DraftRows
 
 
 class Speculator:
