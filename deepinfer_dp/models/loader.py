@@ -23,7 +23,7 @@ from deepinfer_dp.models.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, dequantize,
 from deepinfer_dp.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_supported
 from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES, MoeForCausalLM
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
-from deepinfer_dp.worker.cpu_malloc import release_freed_memory
+from deepinfer_dp.utils.cpu_malloc import release_freed_memory
 
 # model_type -> the class that serves it
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {

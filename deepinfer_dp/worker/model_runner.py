@@ -22,7 +22,7 @@ from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
+from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
 
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
 # batch); the tensors over them are only read, so torch's one-time notice about it is noise.
