@@ -90,9 +90,9 @@ class Worker:
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
                            prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True,
-                           observer: Callable[[TargetStep], None] | None = None) -> list:
+                           speculative: bool = False) -> list:
         """`defer=False` post-processes even a ZOS decode step in place (speculative steps);
-        `observer`: a proposer's network, shown this step's forward (Speculator.observer_for)."""
+        `speculative`: a proposer with a network of its own sees this step's forward."""
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
@@ -100,7 +100,7 @@ class Worker:
         else:
             model_input = self.runner.prepare(sched_out)
             model_input.prompt_logprobs = prompt_logprobs
-        model_input.observer = observer
+            model_input.observe_target = speculative
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step
