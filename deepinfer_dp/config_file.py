@@ -59,7 +59,10 @@ class RaySection(_Section):
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="the HTTP server's address")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP server's port")
-    api_key: str | None = Field(None, description="require this bearer token on /v1")
+    api_key: str | None = Field(None, description="require this bearer token on /v1 (visible in the process "
+                                                  "list: prefer --api-key-file or DEEPINFER_DP_API_KEY)")
+    api_key_file: str | None = Field(None, description="read the bearer token required on /v1 from this file "
+                                                       "(its first line)")
     api_server_count: int = Field(1, ge=1, description="API server processes sharing the port (more than "
                                                        "one serves through the router process)")
     # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
@@ -74,13 +77,20 @@ class ServerSection(_Section):
                                                              "tools): read tool calls out of free text")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="the format the model writes tool calls "
                                                 "in: hermes = <tool_call>{...}</tool_call> (Qwen2.5/Qwen3, Hermes)")
+    # Slow clients and frozen ranks (see entrypoints/openai/http_protocol.py and /health).
+    request_read_timeout_s: float = Field(10.0, gt=0, description="a request's headers and body must arrive "
+                                          "within this time of its first byte; else 408 and the connection closes")
+    timeout_keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    stall_timeout_s: float = Field(5.0, gt=0, description="/health reports a DP rank stalled (503) when it has work "
+                                   "and has finished no step for this long")
 
     def limits(self):
         from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
                             self.chat_special_tokens_as_text,
-                            self.tool_call_parser if self.enable_auto_tool_choice else None)
+                            self.tool_call_parser if self.enable_auto_tool_choice else None,
+                            self.request_read_timeout_s, self.timeout_keep_alive_s, self.stall_timeout_s)
 
 
 class MetricsSection(_Section):

@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 
 from deepinfer_dp.engine.client import EngineClient
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
+from deepinfer_dp.entrypoints.openai.http_protocol import uvicorn_config
 from deepinfer_dp.entrypoints.openai.server import build_app
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless asked otherwise
@@ -30,8 +31,7 @@ class ServerThread:
     def __init__(self, client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
                  host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None) -> None:
         self.app = build_app(client, served_model_name, api_key, limits)
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(_uvicorn_config(self.app, host, port, limits, "warning"))
         self.died = _stop_when_the_engine_dies(client, self.server)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="deepinfer-http", daemon=True)
@@ -67,7 +67,7 @@ def run_server(client: EngineClient, served_model_name: str | None = None, api_k
     app = build_app(client, served_model_name, api_key, limits)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
+    server = uvicorn.Server(_uvicorn_config(app, host, port, limits, "info"))
     died = _stop_when_the_engine_dies(client, server)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
     # handler it found; with this one that ends here, so the caller stops the engine and the
@@ -80,6 +80,11 @@ def run_server(client: EngineClient, served_model_name: str | None = None, api_k
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 1 if died else 0
+
+
+def _uvicorn_config(app, host: str, port: int, limits: ServerLimits | None, log_level: str) -> uvicorn.Config:
+    limits = limits or ServerLimits()
+    return uvicorn_config(app, host, port, limits.request_read_timeout_s, limits.timeout_keep_alive_s, log_level)
 
 
 def _already_handled(signum: int, frame) -> None:
