@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.deepseek import DeepseekDecoderLayer, interleaved_rope, rope_rows_to_rotate_half
 from deepinfer_dp.models.llama import head_dim
+from deepinfer_dp.models.weights import iterate_weights
 
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = {"gate_proj": 0, "up_proj": 1}
@@ -73,10 +75,6 @@ class DeepseekMTP(nn.Module):
         """Dispatches over the target's `dispatcher` (None: local experts); a group of another
         (rank, size) than the experts held -- re-formed after a rank died -- reloads them
         from the checkpoint in `source_dir` first."""
-        from pathlib import Path
-
-        from deepinfer_dp.models.loader import iterate_weights
-
         experts = self.experts
         if experts is None:
             return
