@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from deepinfer_dp import LLM, SamplingParams
+    from deepinfer_dp.entrypoints.llm import LLM
+    from deepinfer_dp.sampling_params import SamplingParams
 
     deployment = load_config(args)
     llm = LLM(model=deployment.model, dp_size=deployment.dp_size, dp_options=deployment.dp_options(),
