@@ -43,6 +43,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 # ---- structured output and tools ----------------------------------------------------------
@@ -121,6 +122,12 @@ class SamplingFields(_Request):
     store: Any = None  # refused unless false
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats`: with include_usage, every chunk
+        carries the usage so far (the last one, without choices, the total as without it)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):

@@ -161,10 +161,17 @@ def _read(reader: ToolReader | None, ev: ChoiceEvent) -> tuple[str, list, str | 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
                  prompts: list[list[int]]) -> AsyncIterator[str]:
     rid, tokens = random_id("chatcmpl"), {}
+    continuous = req.continuous_usage()
 
-    def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
+    def usage() -> UsageInfo:
+        completion = sum(tokens.values())
+        return UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
+                         total_tokens=len(prompts[0]) + completion)
+
+    def chunk(choice: ChatStreamChoice | None, final: bool = False) -> str:
         choices = [choice] if choice else []
-        body = ChatCompletionChunk(id=rid, model=ctx.model_name, choices=choices, usage=usage)
+        body = ChatCompletionChunk(id=rid, model=ctx.model_name, choices=choices,
+                                   usage=usage() if final or continuous else None)
         return f"data: {body.model_dump_json()}\n\n"
 
     tools = tool_mode(req, ctx.limits.tool_call_parser)
@@ -179,7 +186,5 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
         yield chunk(ChatStreamChoice(index=ev.index, delta=ChatDelta(content=text or None, tool_calls=calls or None),
                                      finish_reason=reason, logprobs=_logprobs(ctx, ev) if req.logprobs else None))
     if req.stream_options and req.stream_options.include_usage:
-        completion = sum(tokens.values())
-        yield chunk(None, UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                                    total_tokens=len(prompts[0]) + completion))
+        yield chunk(None, final=True)
     yield "data: [DONE]\n\n"

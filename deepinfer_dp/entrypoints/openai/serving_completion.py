@@ -158,13 +158,15 @@ async def stream(ctx: ServingContext, req: CompletionRequest, events: AsyncItera
                  prompts: list[list[int]]) -> AsyncIterator[str]:
     rid, tokens = random_id("cmpl"), {}
     states = _choice_texts(ctx, req, prompts)
+    continuous = req.continuous_usage()
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
         text, lp = states[ev.index].event(ev)
         if not text and ev.finish_reason is None and lp is None:
             continue  # nothing a client can see yet (held back for detokenization or stop strings)
         choice = CompletionChoice(index=ev.index, text=text, finish_reason=ev.finish_reason, logprobs=lp)
-        yield _sse(CompletionResponse(id=rid, model=ctx.model_name, choices=[choice]).model_dump_json())
+        usage = _usage(prompts, req.n, sum(tokens.values())) if continuous else None
+        yield _sse(CompletionResponse(id=rid, model=ctx.model_name, choices=[choice], usage=usage).model_dump_json())
     if req.stream_options and req.stream_options.include_usage:
         usage = _usage(prompts, req.n, sum(tokens.values()))
         body = CompletionResponse(id=rid, model=ctx.model_name, choices=[], usage=usage)
