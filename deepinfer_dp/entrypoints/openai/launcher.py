@@ -174,11 +174,17 @@ def make_dp_client(model: str | None, dp_size: int, served_model_name: str | Non
 def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `deepinfer-dp serve` (after add_serve_args)."""
     from deepinfer_dp.config_file import ConfigError, load_config
+    from deepinfer_dp.entrypoints.openai.api_key import resolve_api_key
 
     try:
         deployment = load_config(args, model=args.model_path)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    try:  # before anything starts, so that no child process inherits the key's variable
+        key = resolve_api_key(deployment.server.api_key, deployment.server.api_key_file)
+    except ValueError as e:
+        raise SystemExit(f"deepinfer-dp serve: {e}") from None
+    deployment.server = deployment.server.model_copy(update={"api_key": key, "api_key_file": None})
     engine = deployment.engine_options()
     name = args.served_model_name or default_model_name(deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":
