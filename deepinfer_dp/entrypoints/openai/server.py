@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
-from deepinfer_dp.entrypoints.openai import serving_chat, serving_completion
+from deepinfer_dp.entrypoints.openai import routes_utility, serving_chat, serving_completion
 from deepinfer_dp.entrypoints.openai.admission import RETRY_AFTER_S, BodyLimit, QueueFull, ServerLimits
 from deepinfer_dp.entrypoints.openai.errors import error_response, validation_message
 from deepinfer_dp.entrypoints.openai.protocol import (
@@ -210,5 +210,6 @@ def build_app(client: EngineClient, served_model_name: str | None = None,
     def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    routes_utility.install(app, v1)  # /v1/models/{id}, /tokenize, /version, /ping, /docs...
     app.include_router(v1)
     return app
