@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
@@ -34,6 +35,7 @@ from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
+PROGRESS_S = 1.0  # inside a wave, a rank whose steps send no outputs still reports a step this often
 
 
 class RankServer:
@@ -52,6 +54,7 @@ class RankServer:
         self._outbox = self._plane.connected(zmq.PUSH, router_addr, SNDHWM=0)
         self._stop = False
         self._reform: p.Reform | None = None
+        self._last_report = 0.0  # when the router last heard of a step of this rank
 
     # ---- the outer loop ------------------------------------------------------------------
     def serve_or_exit(self) -> None:
@@ -104,9 +107,18 @@ class RankServer:
         self.waves_run += 1
 
     def _step_until_all_done(self) -> None:
-        self.loop.run(self._send_outputs, take_work=self._drain)
+        self.loop.run(self._send_outputs, take_work=self._between_steps)
+
+    def _between_steps(self) -> None:
+        """Before each step: the new messages, and an empty Deltas when no step's outputs went
+        to the router for PROGRESS_S (a rank without requests of its own only steps the
+        placeholder): the router reports a rank with no step for long as stalled."""
+        if time.monotonic() - self._last_report >= PROGRESS_S:
+            self._send_outputs([])
+        self._drain()
 
     def _send_outputs(self, outputs: list) -> None:
+        self._last_report = time.monotonic()
         self._send(p.Deltas(self.dp_rank, self.engine.to_deltas(outputs)))
 
     def _drain(self) -> None:

@@ -159,6 +159,18 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _judged(rank: dict, stall_timeout_s: float) -> dict:
+    """One rank of /health with its state: down, stalled (it has work and finished no step
+    within `stall_timeout_s`: frozen, or one step that long) or ok."""
+    age = rank.get("step_age_s")
+    if not rank.get("up"):
+        return {**rank, "state": "down"}
+    if age is not None and age > stall_timeout_s:
+        return {**rank, "state": "stalled", "reason": f"DP rank {rank.get('dp_rank')} has work and finished no "
+                                                      f"step for {age:.1f}s (limit {stall_timeout_s:g}s)"}
+    return {**rank, "state": "ok"}
+
+
 def build_app(client: EngineClient, served_model_name: str | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     model_name = served_model_name or client.model_name
@@ -201,10 +213,11 @@ def build_app(client: EngineClient, served_model_name: str | None = None,
     # for their stats never blocks the event loop that streams tokens.
     @app.get("/health")
     def health() -> JSONResponse:
-        ranks = client.health()
-        up = sum(1 for r in ranks if r.get("up"))
-        status = "ok" if up == len(ranks) else "degraded" if up else "down"
-        return JSONResponse({"status": status, "ranks": ranks}, status_code=200 if up else 503)
+        ranks = [_judged(r, limits.stall_timeout_s) for r in client.health()]
+        states = [r["state"] for r in ranks]
+        status = ("down" if "ok" not in states and "stalled" not in states else "stalled" if "stalled" in states
+                  else "degraded" if "down" in states else "ok")
+        return JSONResponse({"status": status, "ranks": ranks}, status_code=200 if "ok" in states else 503)
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
