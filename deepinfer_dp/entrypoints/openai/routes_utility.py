@@ -16,11 +16,11 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
-import deepinfer_dp
 from deepinfer_dp.entrypoints.openai.chat_template import TemplateError
 from deepinfer_dp.entrypoints.openai.protocol import ChatMessage, ChatTool, ErrorResponse, ModelCard, Text, _Request
 from deepinfer_dp.entrypoints.openai.serving_chat import _messages
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, bad_request
+from deepinfer_dp.version import __version__
 
 _ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorResponse, "description": "Bad request"},
                                             404: {"model": ErrorResponse, "description": "Unknown model"}}
@@ -148,7 +148,7 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResp
 
 @router.get("/version")
 async def version() -> VersionResponse:
-    return VersionResponse(version=deepinfer_dp.__version__)
+    return VersionResponse(version=__version__)
 
 
 # Plain `def`: a router client's health asks the ranks; FastAPI runs it in its thread pool.
