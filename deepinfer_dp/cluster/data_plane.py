@@ -84,14 +84,17 @@ class DataPlane:
             self._auth.start()
             self._auth.configure_curve_callback("*", _OnlyClusterKey(key.public))
 
-    def bound(self, kind: int, host: str, **options: int) -> zmq.Socket:
-        """A socket bound to a random port of `host` (its LAST_ENDPOINT is the address), with
-        `options` (zmq option name -> value) set first."""
+    def bound(self, kind: int, host: str, port: int = 0, **options: int) -> zmq.Socket:
+        """A socket bound to `port` of `host`, or a random one (its LAST_ENDPOINT is the
+        address), with `options` (zmq option name -> value) set first."""
         sock = self._socket(kind, options)
         if self.key is not None:
             sock.curve_server = True
             sock.curve_secretkey = self.key.secret
-        sock.bind_to_random_port(f"tcp://{host}")
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{host}")
         return sock
 
     def connected(self, kind: int, address: str, **options: int) -> zmq.Socket:

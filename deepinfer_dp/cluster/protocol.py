@@ -142,6 +142,7 @@ class HealthReply(msgspec.Struct, tag=True):
     query_id: int
     ranks: list[dict[str, Any]]  # {"dp_rank", "up", "inflight", "reason"} per rank
     group_failures: int = 0  # failed lockstep votes reported so far (each led to a re-form)
+    router_id: str = ""  # this router process's; a new one means it restarted and lost its requests
 
 
 ToRank = AddRequest | Abort | Wake | StatsQuery | Reform | Shutdown

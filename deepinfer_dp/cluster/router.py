@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 
 import zmq
@@ -45,12 +46,13 @@ class _Client:
 class Router:
     def __init__(self, policy: RoutingPolicy, host: str = "127.0.0.1", collective_timeout_s: float = 30.0,
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 max_rank_restarts: int = 0, key: ClusterKey | None = None) -> None:
+                 max_rank_restarts: int = 0, key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
         self.policy = policy
         self.host = host
+        self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
         self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
-        self._frontend = self._bind()  # clients -> router
-        self._backend = self._bind()  # ranks -> router
+        self._frontend = self._bind(ports[0])  # clients -> router
+        self._backend = self._bind(ports[1])  # ranks -> router
         self.frontend_address = self._frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_address = self._backend.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.RLock()
@@ -66,11 +68,15 @@ class Router:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def _bind(self) -> zmq.Socket:
-        return self._plane.bound(zmq.PULL, self.host, RCVHWM=0)
+    def _bind(self, port: int) -> zmq.Socket:
+        return self._plane.bound(zmq.PULL, self.host, port=port, RCVHWM=0)
 
-    def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None) -> None:
-        self.membership.attach(addresses, liveness)
+    def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None, up: list[bool] | None = None,
+                     wave: int = 0) -> None:
+        """The ranks; `up` and `wave` (the latest any rank is at) when a restarted router takes
+        over running ranks."""
+        self.membership.attach(addresses, liveness, up)
+        self.waves.wave = max(self.waves.wave, wave)
 
     def start(self) -> Router:
         """Runs the loop and the health checks on background threads."""
@@ -127,7 +133,7 @@ class Router:
             self.stats.start(msg.client_id, msg.query_id, self.membership.up())
         elif isinstance(msg, p.HealthQuery):
             self._to_client(msg.client_id, p.HealthReply(msg.query_id, self.membership.health(),
-                                                         self.membership.group_failures))
+                                                         self.membership.group_failures, self.router_id))
         elif isinstance(msg, p.Goodbye):
             self._drop_client(msg.client_id)
 
@@ -150,7 +156,6 @@ class Router:
             return
         load = {r.dp_rank: len(r.inflight) for r in up}
         rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load)]
-        self.membership.work_arrives()
         self._requests[rid] = (msg.client_id, rank.dp_rank)
         client.requests.add(rid)
         rank.inflight.add(rid)
@@ -170,8 +175,6 @@ class Router:
     # ---- from the ranks ----------------------------------------------------------------------
     def _on_rank_message(self, msg, raw: bytes) -> None:
         ranks = self.membership.ranks
-        if isinstance(msg, (p.Deltas, p.StartWave, p.WaveDone)):
-            self.membership.stepped(msg.dp_rank)  # /health's stall check
         if isinstance(msg, p.Deltas):
             self._deliver(msg, raw)
         elif isinstance(msg, p.StartWave):
@@ -199,15 +202,22 @@ class Router:
                     rid, "rank_failed", f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
 
     def _deliver(self, msg: p.Deltas, raw: bytes) -> None:
-        """Each client gets its own requests' deltas; a delta of an aborted request is dropped."""
+        """Each client gets its own requests' deltas; a delta of an aborted request is dropped,
+        and one of a request this router never saw (its predecessor's, before a restart) is
+        aborted on its rank."""
         per_client: dict[str, list] = defaultdict(list)
+        unknown = []
         for delta in msg.deltas:
             entry = self._requests.get(delta.request_id)
             if entry is None:
+                if not delta.finished:
+                    unknown.append(delta.request_id)
                 continue
             if delta.finished:
                 self._forget(delta.request_id)
             per_client[entry[0]].append(delta)
+        if unknown and 0 <= msg.dp_rank < len(self.membership.ranks) and self.membership.ranks[msg.dp_rank].up:
+            self.membership.ranks[msg.dp_rank].send(p.Abort(unknown))
         if len(per_client) == 1 and sum(map(len, per_client.values())) == len(msg.deltas):
             client_id = next(iter(per_client))  # the common case: pass the message on as it came
             self._to_client_raw(client_id, raw)

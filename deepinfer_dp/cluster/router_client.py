@@ -4,8 +4,11 @@ submit / abort / query core for the offline driver (cluster/dp_driver.py).
 A request is validated here (the InputProcessor) before it goes on the wire, so the router
 and the ranks only ever see requests that can run. One receiver thread reads the replies and
 hands each request's deltas to its sink; it also sends the heartbeat (a HealthQuery every
-second). If the router stops answering for `router_timeout_s`, every waiting request fails
-with NoCapacity and health() reports every rank down, until it answers again.
+second, after a Hello: a router process that Ray restarted learns of this client from it).
+If the router stops answering for `router_timeout_s`, every waiting request fails with
+NoCapacity and health() reports every rank down, until it answers again. A health reply with a
+new router_id means the router restarted and forgot the requests in flight: they fail at once
+with RankFailed (a clean error, never a stream that waits forever).
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ class RouterClient:
         self._router_timeout_s = router_timeout_s
         self._last_heard = time.monotonic()
         self._last_health: list[dict] = []
+        self._router_id = ""  # the router process's, from its health replies
+        self._address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
         self._stop = threading.Event()
-        self._send(p.Hello(self.client_id, self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._send(p.Hello(self.client_id, self._address))
         self._thread = threading.Thread(target=self._receive_loop, name="router-client", daemon=True)
         self._thread.start()
 
@@ -105,6 +110,17 @@ class RouterClient:
                                                                                                   item))
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
             yield delta
+
+    def fail_inflight(self, error: Exception) -> int:
+        """Ends every request in flight with `error` (the server's drain time is over) and
+        aborts them on their ranks; returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        if sinks:
+            self._send(p.Abort(list(sinks), self.client_id))
+        for sink in sinks.values():
+            _call(sink, error)
+        return len(sinks)
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync([request_id])
@@ -149,6 +165,7 @@ class RouterClient:
             now = time.monotonic()
             if now - last_beat > HEARTBEAT_S:
                 last_beat = now
+                self._send(p.Hello(self.client_id, self._address))  # known already: a no-op
                 self._send(p.HealthQuery(self.client_id, -1))
                 if self.router_down():
                     self._fail_all(NoCapacity(f"the router has not answered for over "
@@ -170,6 +187,7 @@ class RouterClient:
         elif isinstance(msg, (p.StatsReply, p.HealthReply)):
             if isinstance(msg, p.HealthReply):
                 self._last_health, self.group_failures = msg.ranks, msg.group_failures
+                self._check_router_id(msg.router_id)
             if msg.query_id >= 0:
                 with self._lock:
                     self._replies[msg.query_id] = msg
@@ -182,11 +200,18 @@ class RouterClient:
             self._reply_ready.wait_for(lambda: qid in self._replies, timeout_s)
             return self._replies.pop(qid, None)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _check_router_id(self, router_id: str) -> None:
+        previous, self._router_id = self._router_id, router_id
+        if previous and router_id != previous:
+            n = self._fail_all(RankFailed("the router process restarted; this request was lost with it"))
+            logger.warning("the router process restarted: %d request(s) in flight failed", n)
+
+    def _fail_all(self, error: Exception) -> int:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             _call(sink, error)
+        return len(sinks)
 
     def _send(self, msg) -> None:
         with self._send_lock:
