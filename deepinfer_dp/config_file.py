@@ -18,6 +18,7 @@ import json
 import os
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +57,21 @@ class RaySection(_Section):
                                                                               "or spread them over nodes")
 
 
+# The server section as the HTTP front reads it (entrypoints/openai/admission.py enforces it):
+# declared here, with the section, so that the declarations import nothing above them.
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = 16 * 2**20
+    max_n: int = 128
+    max_prompts: int = 256  # prompts in one completions request
+    max_waiting_requests: int = 1024  # engine requests admitted and not yet at their first token
+    chat_special_tokens_as_text: bool = True  # special-token strings in chat content stay plain text
+    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
+    request_read_timeout_s: float = 10.0  # a request's headers and body, from its first byte (else 408)
+    timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed
+    stall_timeout_s: float = 5.0  # /health: a rank with work and no finished step this long is stalled
+
+
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="the HTTP server's address")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP server's port")
@@ -84,9 +100,7 @@ class ServerSection(_Section):
     stall_timeout_s: float = Field(5.0, gt=0, description="/health reports a DP rank stalled (503) when it has work "
                                    "and has finished no step for this long")
 
-    def limits(self):
-        from deepinfer_dp.entrypoints.openai.admission import ServerLimits
-
+    def limits(self) -> ServerLimits:
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
                             self.chat_special_tokens_as_text,
                             self.tool_call_parser if self.enable_auto_tool_choice else None,

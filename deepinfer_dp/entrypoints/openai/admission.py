@@ -11,22 +11,10 @@ here, on the server, so it holds the same way for one engine and for the DP rout
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from deepinfer_dp.config_file import ServerLimits
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_request_body_bytes: int = 16 * 2**20
-    max_n: int = 128
-    max_prompts: int = 256  # prompts in one completions request
-    max_waiting_requests: int = 1024  # engine requests admitted and not yet at their first token
-    chat_special_tokens_as_text: bool = True  # special-token strings in chat content stay plain text
-    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
-    request_read_timeout_s: float = 10.0  # a request's headers and body, from its first byte (else 408)
-    timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed
-    stall_timeout_s: float = 5.0  # /health: a rank with work and no finished step this long is stalled
 
 
 class QueueFull(Exception):
