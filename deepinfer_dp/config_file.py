@@ -79,6 +79,8 @@ class ServerSection(_Section):
                                                   "list: prefer --api-key-file or DEEPINFER_DP_API_KEY)")
     api_key_file: str | None = Field(None, description="read the bearer token required on /v1 from this file "
                                                        "(its first line)")
+    served_model_name: list[str] | None = Field(None, description="the names clients may send as `model`, several "
+                                                "allowed (default: the model argument as given)")
     api_server_count: int = Field(1, ge=1, description="API server processes sharing the port (more than "
                                                        "one serves through the router process)")
     # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
@@ -225,6 +227,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         if kind is dict:  # a mapping option: one JSON object on the command line
             g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
                            help=f"{f.description}{default}")
+        elif kind is list:  # several values: --served-model-name a b
+            g.add_argument(flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
         elif kind is bool:
             g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
                            help=f"{f.description}{default}")

@@ -1,14 +1,26 @@
 """vLLM's utility routes (/v1/models/{id}, /tokenize, /detokenize, /version, /ping, /docs)
-with the `openai` client and httpx, at dp 1 and behind the router (dp 2)."""
+with the `openai` client and httpx, at dp 1 and behind the router (dp 2), and the names a
+model is served under (--served-model-name, default: the model argument as given)."""
 
 from __future__ import annotations
+
+import argparse
+import contextlib
 
 import httpx
 import openai
 import pytest
-from server_utils import MODEL_NAME, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
 
 import deepinfer_dp
+from deepinfer_dp.config_file import load_config
+from deepinfer_dp.entrypoints.openai.launcher import (
+    DEFAULT_MODEL_NAMES,
+    ServerThread,
+    add_serve_args,
+    make_local_client,
+    served_names,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
 
@@ -76,3 +88,52 @@ def test_docs_is_fastapis_swagger_page(server):
 def test_routes_behind_the_router(model_dir, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
         _check_routes(srv.url)
+
+
+def test_several_served_model_names(model_dir):
+    client = make_local_client(model_dir, "first", **ENGINE_OPTIONS)
+    with _serve(client, ["first", "second/alias"]) as url:
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in oai.models.list().data] == ["first", "second/alias"]
+        assert oai.models.retrieve("second/alias").id == "second/alias"
+        done = oai.completions.create(model="second/alias", prompt="Hi", max_tokens=2)
+        assert done.model == "first"  # answers carry the first name, as vLLM's
+        with pytest.raises(openai.NotFoundError):
+            oai.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+
+
+def test_the_model_argument_as_given_is_its_name(model_dir, tmp_path, monkeypatch):
+    """A model given as a Hugging Face repo id (here a local folder of that name) is served
+    under that id, as vLLM does; no --served-model-name needed."""
+    repo_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (tmp_path / "HuggingFaceTB").mkdir()
+    (tmp_path / repo_id).symlink_to(model_dir, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    names = served_names(None, repo_id)
+    assert names == [repo_id]
+    client = make_local_client(repo_id, names[0], **ENGINE_OPTIONS)
+    with _serve(client, names) as url:
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert oai.chat.completions.create(model=repo_id, messages=CHAT, max_tokens=2).model == repo_id
+
+
+@pytest.mark.parametrize("argv, names", [
+    ([], DEFAULT_MODEL_NAMES),
+    (["some/dir"], ["some/dir"]),
+    (["some/dir", "--served-model-name", "a", "b"], ["a", "b"]),
+])
+def test_served_model_name_flag(argv, names):
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
+    deployment = load_config(args, model=args.model_path)
+    assert served_names(deployment.server.served_model_name, deployment.model) == names
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in DEFAULT_MODEL_NAMES
+
+
+@contextlib.contextmanager
+def _serve(client, names: list[str]):
+    server = ServerThread(client, names).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        client.shutdown()

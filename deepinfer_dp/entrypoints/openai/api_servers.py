@@ -26,7 +26,7 @@ JOIN_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 600.0  # every API server loads its tokenizer and connects to the router
 
 
-def run_api_servers(deployment, served_model_name: str) -> int:
+def run_api_servers(deployment, served_model_name: list[str]) -> int:
     """Serves until SIGINT/SIGTERM or until an API server dies; returns the exit status."""
     from deepinfer_dp.cluster.dp_driver import per_rank_threads
     from deepinfer_dp.cluster.ray_launcher import RayDeployment
@@ -88,7 +88,7 @@ def _stop_all(procs: list) -> None:
 
 
 def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, model: str | None,
-                name: str, api_key: str | None, host: str, metrics_port: int | None, limits) -> None:
+                name: list[str], api_key: str | None, host: str, metrics_port: int | None, limits) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket.
     `key` (the data plane's, or None) comes through multiprocessing's pipe, not argv.
     `limits` (a ServerLimits) applies per process: max_waiting_requests counts this server's."""
@@ -96,7 +96,7 @@ def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, 
     from deepinfer_dp.cluster.dp_driver import connect
     from deepinfer_dp.entrypoints.openai.launcher import run_server
 
-    client = connect(frontend, rank_info, model, name, host, key)
+    client = connect(frontend, rank_info, model, name[0], host, key)
     try:
         all_ready.wait(START_TIMEOUT_S)
         code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock],

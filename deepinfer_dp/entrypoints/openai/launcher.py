@@ -28,7 +28,8 @@ DEFAULT_PORT = 8000
 class ServerThread:
     """uvicorn in a background thread; `port` is the bound port (ask for 0 to get a free one)."""
 
-    def __init__(self, client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+    def __init__(self, client: EngineClient, served_model_name: str | list[str] | None = None,
+                 api_key: str | None = None,
                  host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None) -> None:
         self.app = build_app(client, served_model_name, api_key, limits)
         self.server = uvicorn.Server(_uvicorn_config(self.app, host, port, limits, "warning"))
@@ -57,7 +58,7 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
-def run_server(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+def run_server(client: EngineClient, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
                sockets: list | None = None, limits: ServerLimits | None = None) -> int:
     """Serves until interrupted (Ctrl-C): returns 0, or 1 when the engine died (the server
@@ -112,16 +113,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                         help="Hugging Face directory or .gguf file (the same as --model)")
-    add_config_args(parser)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the model's name)")
+    add_config_args(parser)  # --served-model-name among them (ServerSection)
     return parser
 
 
+# The default model's names: its own, and the Hugging Face repo id that vLLM users send.
+DEFAULT_MODEL_NAMES = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
 def default_model_name(model: str | None) -> str:
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    return model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    """The model argument as given, as vLLM serves it (the default model's own name for None)."""
+    return DEFAULT_MODEL_NAMES[0] if model is None else model
+
+
+def served_names(names: list[str] | None, model: str | None) -> list[str]:
+    """What clients may send as `model`: --served-model-name, else the model as given; the
+    first name is the one answers carry."""
+    if names:
+        return list(names)
+    return list(DEFAULT_MODEL_NAMES) if model is None else [model]
 
 
 def make_local_client(model: str | None, served_model_name: str | None = None,
@@ -186,22 +196,22 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"deepinfer-dp serve: {e}") from None
     deployment.server = deployment.server.model_copy(update={"api_key": key, "api_key_file": None})
     engine = deployment.engine_options()
-    name = args.served_model_name or default_model_name(deployment.model)
+    names = served_names(deployment.server.served_model_name, deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
     if deployment.server.api_server_count > 1:
         from deepinfer_dp.entrypoints.openai.api_servers import run_api_servers
 
-        raise SystemExit(run_api_servers(deployment, name))
+        raise SystemExit(run_api_servers(deployment, names))
     if deployment.dp_size > 1:
-        client = make_dp_client(deployment.model, deployment.dp_size, name, dp_options=deployment.dp_options(),
+        client = make_dp_client(deployment.model, deployment.dp_size, names[0], dp_options=deployment.dp_options(),
                                 **engine)
     else:
-        client = make_local_client(deployment.model, name, **engine)
+        client = make_local_client(deployment.model, names[0], **engine)
     server = deployment.server
     try:
-        code = run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port,
+        code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
                           limits=server.limits())
     finally:
         client.shutdown()

@@ -81,13 +81,12 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.ctx
 
 
-def served_names(ctx: ServingContext) -> list[str]:
-    return list(getattr(ctx, "model_names", None) or [ctx.model_name])
+def _names(request: Request) -> list[str]:
+    return request.app.state.model_names
 
 
-def check_model(ctx: ServingContext, name: str | None) -> None:
-    """404 in OpenAI's shape when `name` is given and not served (vLLM checks it here too)."""
-    names = served_names(ctx)
+def check_model(names: list[str], name: str | None) -> None:
+    """404 in OpenAI's shape when `name` is given and is none of the served `names`."""
     if name is not None and name not in names:
         raise OpenAIError(404, f"The model `{name}` does not exist. This server serves "
                                f"{', '.join(f'`{n}`' for n in names)}.", param="model", code="model_not_found")
@@ -96,14 +95,14 @@ def check_model(ctx: ServingContext, name: str | None) -> None:
 @v1_router.get("/models/{model_id:path}", responses=_ERRORS)
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     ctx = _ctx(request)
-    check_model(ctx, model_id)
+    check_model(_names(request), model_id)
     return ModelCard(id=model_id, max_model_len=ctx.client.max_model_len)
 
 
 @router.post("/tokenize", responses=_ERRORS)
 async def tokenize(req: TokenizeChatRequest | TokenizeCompletionRequest, request: Request) -> TokenizeResponse:
     ctx = _ctx(request)
-    check_model(ctx, req.model)
+    check_model(_names(request), req.model)
     if isinstance(req, TokenizeCompletionRequest):
         ctx.check_text_length(len(req.prompt), "prompt", "prompt")
         ids = await ctx.off_loop(_encode, ctx.client.tokenizer, req.prompt, req.add_special_tokens)
@@ -138,7 +137,7 @@ async def _chat_ids(ctx: ServingContext, req: TokenizeChatRequest) -> list[int]:
 @router.post("/detokenize", responses=_ERRORS)
 async def detokenize(req: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     ctx = _ctx(request)
-    check_model(ctx, req.model)
+    check_model(_names(request), req.model)
     vocab = ctx.client.input_processor.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:

@@ -171,22 +171,23 @@ def _judged(rank: dict, stall_timeout_s: float) -> dict:
     return {**rank, "state": "ok"}
 
 
-def build_app(client: EngineClient, served_model_name: str | None = None,
+def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    model_name = served_model_name or client.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [client.model_name]
+    model_name = names[0]  # the name answers carry, as vLLM's first served name
     metrics = ServerMetrics(client, model_name)
     limits = limits or ServerLimits()
     ctx = ServingContext(client, model_name, metrics, limits)
     app = FastAPI(title="deepinfer-dp", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)
     app.state.ctx = ctx
+    app.state.model_names = names
     _install_error_handlers(app, metrics)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     def check_model(name: str) -> None:
-        if name != model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist. This server serves `{model_name}`.",
-                              param="model", code="model_not_found")
+        routes_utility.check_model(names, name)
 
     async def serve(req, module, request: Request):
         check_model(req.model)
@@ -207,7 +208,7 @@ def build_app(client: EngineClient, served_model_name: str | None = None,
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=client.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=client.max_model_len) for name in names])
 
     # Plain `def`: FastAPI runs these in its thread pool, so a router that asks the ranks
     # for their stats never blocks the event loop that streams tokens.
