@@ -19,7 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
-from deepinfer_dp.models.registry import check_supported, model_class
+from deepinfer_dp.models.registry import attach_nextn_layer, check_supported, model_class
 from deepinfer_dp.models.weights import iterate_weights, safetensors_files
 from deepinfer_dp.utils.cpu_malloc import release_freed_memory
 
@@ -30,6 +30,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     tokenizer_dir: str  # AutoTokenizer.from_pretrained(tokenizer_dir) works offline
     model_dir: str  # a Hugging Face directory: AutoModelForCausalLM can load it too
+    mtp: nn.Module | None = None  # the next-n (MTP) layer, when asked for (load_model(mtp=True))
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -70,11 +71,12 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
-               packed: bool = True, expert_shard: tuple[int, int] = (0, 1)) -> LoadedModel:
+               packed: bool = True, expert_shard: tuple[int, int] = (0, 1), mtp: bool = False) -> LoadedModel:
     """Loads `model` (HF directory, .gguf file, or None for the default model). With `packed`,
     a dense CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format; a
     mixture-of-experts model loads only the routed experts of `expert_shard` (EP rank, EP size)
-    and is always widened (the experts kernel reads fp32)."""
+    and is always widened (the experts kernel reads fp32). With `mtp`, a DeepSeek-V3's next-n
+    layer too (LoadedModel.mtp), for speculative decoding."""
     model_dir = resolve_model_dir(model)
     config = load_hf_config(model_dir)
     device = torch.device(device)
@@ -92,6 +94,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         net.load_weights(iterate_weights(model_dir, getattr(net, "wants_weight", None)))
     net.source_dir = str(model_dir)
     net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
+    # speculative_config method 'mtp': the checkpoint's next-n layer, attached to the model
+    nextn = attach_nextn_layer(net) if mtp else None
     return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
-                       model_dir=str(model_dir))
+                       model_dir=str(model_dir), mtp=nextn)
 

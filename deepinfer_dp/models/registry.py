@@ -30,6 +30,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("deepseek", "DeepseekForCausalLM"),
 }
 
+# model_type -> (module, function) that attaches the next-n (MTP) layer its checkpoints carry
+# to a loaded model (load_model(mtp=True), for speculative_config method "mtp")
+_NEXTN_LAYERS: dict[str, tuple[str, str]] = {
+    "deepseek_v3": ("deepseek_mtp", "attach_mtp_layer"),
+}
+
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(_MODELS)
@@ -54,3 +60,14 @@ def model_class(config) -> type[nn.Module]:
     check_supported(config)
     module, name = _MODELS[config.model_type]
     return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
+def attach_nextn_layer(model: nn.Module) -> nn.Module:
+    """Builds, loads and attaches the next-n (MTP) layer of a loaded `model` (its family's
+    function, imported on first use) and returns it; ValueError when the family has none."""
+    entry = _NEXTN_LAYERS.get(model.config.model_type)
+    if entry is None:
+        raise ValueError("speculative_config method 'mtp' needs a DeepSeek-V3 model (its checkpoint stores the "
+                         f"next-n layer); model type {model.config.model_type!r} has none")
+    module, name = entry
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)(model)

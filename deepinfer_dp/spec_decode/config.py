@@ -1,4 +1,5 @@
-"""`speculative_config`: vLLM's keys, checked once when the engine config is built."""
+"""`speculative_config`: vLLM's keys, parsed once into a SpeculativeConfig when the engine
+config is built; everything after reads the typed fields."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ DRAFT_PAUSE_TOKENS = 16
 
 
 class SpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     method: Literal["ngram", "draft_model", "mtp"] = Field(
         description="ngram: prompt lookup, drafts from the sequence's own history; draft_model: a smaller "
@@ -73,10 +74,14 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
-def parse_speculative_config(value: dict[str, Any] | None) -> SpeculativeConfig | None:
-    """The checked config, or ValueError with one line per problem naming the key."""
-    if value is None:
-        return None
+def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """EngineConfig's validator, so the engine sees one parsed SpeculativeConfig: a mapping of
+    vLLM's keys is checked here, once (ValueError with one line per problem, naming the key); a
+    config already parsed (a copy of an EngineConfig, a rank's) passes as it is."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError('must be a mapping of vLLM\'s keys, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
     try:
         return SpeculativeConfig(**value)
     except ValidationError as e:
@@ -86,9 +91,3 @@ def parse_speculative_config(value: dict[str, Any] | None) -> SpeculativeConfig 
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(msg if not err["loc"] and ":" in msg else f"{key}: {msg}")
         raise ValueError("; ".join(problems)) from None
-
-
-def check_speculative_config(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """EngineConfig's validator: the dict with every default filled in, or ValueError."""
-    parsed = parse_speculative_config(value)
-    return None if parsed is None else parsed.model_dump()
