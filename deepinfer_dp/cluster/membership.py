@@ -28,7 +28,7 @@ from typing import Protocol
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import DataPlane
+from deepinfer_dp.cluster.data_plane import RANK, DataPlane
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.distributed.groups import serve_store
 
@@ -95,7 +95,7 @@ class Membership:
     def _connect(self, address: str) -> zmq.Socket:
         # No high-water mark: a blocked send under the lock would stop the router's loop too,
         # and with it the ranks' replies (a deadlock on a large burst).
-        return self._plane.connected(zmq.PUSH, address, SNDHWM=0)
+        return self._plane.connected(zmq.PUSH, address, RANK, SNDHWM=0)
 
     def up(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.up]

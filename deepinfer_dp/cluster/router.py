@@ -25,7 +25,8 @@ from collections import defaultdict
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
 from deepinfer_dp.cluster.policies import RoutingPolicy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
@@ -50,11 +51,15 @@ class Router:
         self.policy = policy
         self.host = host
         self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
-        self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
-        self._frontend = self._bind(ports[0])  # clients -> router
-        self._backend = self._bind(ports[1])  # ranks -> router
-        self.frontend_address = self._frontend.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backend_address = self._backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._plane = DataPlane(key, ROUTER)  # `key`: peers by role (cluster/data_plane.py)
+        # clients -> router, ranks -> router; a frame that does not decode, or comes from the
+        # wrong role, is dropped and counted (cluster/inbox.py)
+        self._frontend = Inbox(self._plane, host, p.frontend_decoder, p.FROM_CLIENT_SENDERS, "router frontend",
+                               port=ports[0], RCVHWM=0)
+        self._backend = Inbox(self._plane, host, p.router_decoder, p.FROM_RANK_SENDERS, "router backend",
+                              port=ports[1], RCVHWM=0)
+        self.frontend_address = self._frontend.address
+        self.backend_address = self._backend.address
         self._lock = threading.RLock()
         self.waves = Waves()
         self.membership = Membership(self._plane, self._lock, self.waves, host, collective_timeout_s,
@@ -67,9 +72,6 @@ class Router:
         self._health_kick = threading.Event()  # set on GroupBroken: check the ranks now
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-
-    def _bind(self, port: int) -> zmq.Socket:
-        return self._plane.bound(zmq.PULL, self.host, port=port, RCVHWM=0)
 
     def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None, up: list[bool] | None = None,
                      wave: int = 0) -> None:
@@ -89,32 +91,39 @@ class Router:
     # ---- the loop --------------------------------------------------------------------------
     def serve_forever(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._frontend, zmq.POLLIN)
-        poller.register(self._backend, zmq.POLLIN)
+        poller.register(self._frontend.socket, zmq.POLLIN)
+        poller.register(self._backend.socket, zmq.POLLIN)
         last_sweep = time.monotonic()
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
             with self._lock:
-                if self._backend in ready:
-                    self._drain(self._backend, p.router_decoder, self._on_rank_message)
-                if self._frontend in ready:
-                    self._drain(self._frontend, p.frontend_decoder, self._on_client_message)
+                if self._backend.socket in ready:
+                    self._drain(self._backend, self._on_rank_message)
+                if self._frontend.socket in ready:
+                    self._drain(self._frontend, self._on_client_message)
                 for client_id, reply in self.stats.ready(self.membership.health()):
                     self._to_client(client_id, reply)
                 if time.monotonic() - last_sweep > 1.0:
                     last_sweep = time.monotonic()
                     self._drop_silent_clients()
 
-    def _drain(self, sock: zmq.Socket, decoder, handle) -> None:
+    def _drain(self, inbox: Inbox, handle) -> None:
         while True:
             try:
-                raw = sock.recv(zmq.NOBLOCK)
+                got = inbox.recv(zmq.NOBLOCK)  # None: a frame dropped (malformed, wrong sender)
             except zmq.Again:
                 return
             try:
-                handle(decoder.decode(raw), raw)
-            except Exception:  # a malformed or unexpected message must not end the router
+                if got is not None:
+                    handle(*got)
+            except Exception:  # a message the router cannot act on must not end the router
                 logger.exception("dropping a message the router could not handle")
+
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames the router's two sockets dropped, and handshakes its ZAP handler refused."""
+        return {"malformed": self._frontend.dropped["malformed"] + self._backend.dropped["malformed"],
+                "unauthorized": self._frontend.dropped["unauthorized"] + self._backend.dropped["unauthorized"],
+                "refused_handshakes": self._plane.refused}
 
     # ---- from the clients --------------------------------------------------------------------
     def _on_client_message(self, msg, raw: bytes) -> None:
@@ -141,7 +150,7 @@ class Router:
         if msg.client_id in self._clients:
             return
         # no high-water mark: never block the loop on a slow client
-        self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, SNDHWM=0))
+        self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, CLIENT, SNDHWM=0))
 
     def _dispatch(self, msg: p.AddRequest, client: _Client) -> None:
         """Sharding: the policy picks a rank among those up; the others are woken."""
@@ -287,6 +296,6 @@ class Router:
             for client in self._clients.values():
                 client.socket.close(linger=0)
             self._clients.clear()
-        self._frontend.close(linger=0)
-        self._backend.close(linger=0)
+        self._frontend.close()
+        self._backend.close()
         self._plane.close()

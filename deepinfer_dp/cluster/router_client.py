@@ -25,7 +25,8 @@ from typing import Any
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.engine.client import (
     NoCapacity,
     RankFailed,
@@ -52,9 +53,10 @@ class RouterClient:
         self.max_model_len = max_model_len
         self.input_processor = input_processor
         self.client_id = uuid.uuid4().hex[:16]
-        self._plane = DataPlane(key)  # `key`: the router only takes peers holding it
-        self._inbox = self._plane.bound(zmq.PULL, host, RCVHWM=0)
-        self._outbox = self._plane.connected(zmq.PUSH, frontend_address, SNDHWM=0)
+        self._plane = DataPlane(key, CLIENT)  # `key`: peers by role (cluster/data_plane.py)
+        # Only the router may send here; a frame that does not decode is dropped and counted.
+        self._inbox = Inbox(self._plane, host, p.client_decoder, p.TO_CLIENT_SENDERS, "router client", RCVHWM=0)
+        self._outbox = self._plane.connected(zmq.PUSH, frontend_address, ROUTER, SNDHWM=0)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the sinks and the replies
         self._sinks: dict[str, Sink] = {}
@@ -65,7 +67,7 @@ class RouterClient:
         self._last_heard = time.monotonic()
         self._last_health: list[dict] = []
         self._router_id = ""  # the router process's, from its health replies
-        self._address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
         self._stop = threading.Event()
         self._send(p.Hello(self.client_id, self._address))
@@ -96,6 +98,10 @@ class RouterClient:
         if reply is None:
             raise NoCapacity(f"the router did not answer a stats query within {timeout_s:.0f}s")
         return reply.stats
+
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames this client's inbox dropped (malformed, wrong sender), handshakes it refused."""
+        return {**self._inbox.dropped, "refused_handshakes": self._plane.refused}
 
     def router_down(self) -> bool:
         return time.monotonic() - self._last_heard > self._router_timeout_s
@@ -142,7 +148,7 @@ class RouterClient:
         self._stop.set()
         self._send(p.Goodbye(self.client_id))
         self._thread.join(timeout=5)
-        self._inbox.close(linger=0)
+        self._inbox.close()
         self._outbox.close(linger=500)
         self._plane.close()
 
@@ -151,15 +157,17 @@ class RouterClient:
     def _receive_loop(self) -> None:
         last_beat = 0.0
         while not self._stop.is_set():
-            if self._inbox.poll(100):
-                self._last_heard = time.monotonic()
+            if self._inbox.socket.poll(100):
                 while True:
                     try:
-                        raw = self._inbox.recv(zmq.NOBLOCK)
+                        got = self._inbox.recv(zmq.NOBLOCK)  # None: a frame dropped (malformed)
                     except zmq.Again:
                         break
+                    if got is None:
+                        continue
+                    self._last_heard = time.monotonic()  # only a message that decoded says the router lives
                     try:
-                        self._on_message(p.client_decoder.decode(raw))
+                        self._on_message(got[0])
                     except Exception:  # one bad message must not end the receiver thread
                         logger.exception("dropping a message from the router")
             now = time.monotonic()

@@ -28,6 +28,7 @@ START_TIMEOUT_S = 600.0  # every API server loads its tokenizer and connects to 
 
 def run_api_servers(deployment, served_model_name: list[str]) -> int:
     """Serves until SIGINT/SIGTERM or until an API server dies; returns the exit status."""
+    from deepinfer_dp.cluster.data_plane import CLIENT
     from deepinfer_dp.cluster.dp_driver import per_rank_threads
     from deepinfer_dp.cluster.ray_launcher import RayDeployment
 
@@ -41,8 +42,9 @@ def run_api_servers(deployment, served_model_name: list[str]) -> int:
     sock = _listen(server.host, server.port)
     ctx = mp.get_context("spawn")
     all_ready = ctx.Barrier(server.api_server_count)  # nobody accepts before every server can
+    key = cluster.key.for_role(CLIENT) if cluster.key is not None else None  # a client's secret only
     procs = [ctx.Process(target=_api_server, name=f"api-server-{i}", args=(
-        sock, all_ready, cluster.frontend, cluster.infos[0], cluster.key, deployment.model, served_model_name,
+        sock, all_ready, cluster.frontend, cluster.infos[0], key, deployment.model, served_model_name,
         server.api_key, server.host, deployment.metrics.port if i == 0 else None, server.limits()))
         for i in range(server.api_server_count)]
     code = 0
@@ -90,13 +92,16 @@ def _stop_all(procs: list) -> None:
 def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, model: str | None,
                 name: list[str], api_key: str | None, host: str, metrics_port: int | None, limits) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket.
-    `key` (the data plane's, or None) comes through multiprocessing's pipe, not argv.
+    `key` (the data plane's client key, or None) comes through multiprocessing's pipe, not argv.
+    The router connects back to this process's inbox on the data plane's host (the router's),
+    not on the HTTP `host`: a server on 0.0.0.0 keeps its ZeroMQ socket on loopback.
     `limits` (a ServerLimits) applies per process: max_waiting_requests counts this server's."""
     signal.signal(signal.SIGTERM, _exit_cleanly)  # stopped while starting: still status 0
+    from deepinfer_dp.cluster.data_plane import host_of
     from deepinfer_dp.cluster.dp_driver import connect
     from deepinfer_dp.entrypoints.openai.launcher import run_server
 
-    client = connect(frontend, rank_info, model, name[0], host, key)
+    client = connect(frontend, rank_info, model, name[0], host_of(frontend), key)
     try:
         all_ready.wait(START_TIMEOUT_S)
         code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock],
