@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,10 +34,13 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     ModelList,
     random_id,
 )
+from deepinfer_dp.entrypoints.openai.request_body import body_of, document_bodies, openapi_body
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, run_choices
 from deepinfer_dp.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+CompletionBody = Annotated[CompletionRequest, Depends(body_of(CompletionRequest))]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(body_of(ChatCompletionRequest))]
 
 
 def _engine_error(e: EngineError) -> OpenAIError:
@@ -184,6 +188,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
     app.state.ctx = ctx
     app.state.model_names = names
     _install_error_handlers(app, metrics)
+    document_bodies(app, [CompletionRequest, ChatCompletionRequest])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     def check_model(name: str) -> None:
@@ -198,12 +203,13 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         chunks = module.stream(ctx, req, await _primed(events), prompts)
         return StreamingResponse(_sse_guard(chunks), media_type="text/event-stream")
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    # The bodies are parsed by the routes' own dependency, off the event loop past a size.
+    @v1.post("/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(req: CompletionBody, request: Request):
         return await serve(req, serving_completion, request)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @v1.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(req: ChatCompletionBody, request: Request):
         return await serve(req, serving_chat, request)
 
     @v1.get("/models")
