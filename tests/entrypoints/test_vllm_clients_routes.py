@@ -10,7 +10,7 @@ import contextlib
 import httpx
 import openai
 import pytest
-from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served
 
 import deepinfer_dp
 from deepinfer_dp.config_file import load_config
@@ -23,17 +23,6 @@ from deepinfer_dp.entrypoints.openai.launcher import (
 )
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with served(model_dir) as srv:
-        yield srv
 
 
 def _check_routes(url: str) -> None:
