@@ -45,8 +45,9 @@ class RouterSection(_Section):
     max_rank_restarts: int = Field(3, ge=0, description="times a dead DP rank is restarted (a new process "
                                                         "that rejoins the group); 0: it stays down")
     data_plane_auth: Literal["auto", "on", "off"] = Field(
-        "auto", description="CURVE authentication and encryption of the router/rank sockets; auto: on "
-                            "when they bind an address other than loopback")
+        "auto", description="CURVE authentication and encryption of every data-plane socket, loopback "
+                            "included (auto and on are the same); off is unsafe: any local process can "
+                            "then drive the cluster and stop its ranks")
     spare_rank: bool = Field(True, description="keep one idle rank process with its imports done (CPU "
                                                "ranks), so that a dead rank is replaced faster")
 

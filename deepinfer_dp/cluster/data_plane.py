@@ -82,6 +82,11 @@ def cluster_key_for(host: str, mode: AuthMode = "auto") -> ClusterKey | None:
     return None if mode == "off" else ClusterKey.generate()
 
 
+def role_key(key: ClusterKey | None, role: str) -> ClusterKey | None:
+    """`key` narrowed to what a process of `role` is given (None, no authentication, stays None)."""
+    return None if key is None else key.for_role(role)
+
+
 def host_of(address: str) -> str:
     """The host of a tcp://HOST:PORT address (an IPv6 host keeps its brackets)."""
     return address.removeprefix("tcp://").rsplit(":", 1)[0]

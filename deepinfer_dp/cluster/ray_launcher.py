@@ -32,7 +32,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deepinfer_dp.cluster.data_plane import AuthMode, cluster_key_for
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, AuthMode, cluster_key_for, role_key
 from deepinfer_dp.cluster.rank_actor import RankSpec, rank_device
 from deepinfer_dp.cluster.router_actor import RouterActor
 from deepinfer_dp.config import EngineConfig
@@ -99,7 +99,9 @@ def _keep_signal_handlers():
 class RayDeployment:
     """The router and rank actors of one DP deployment. `frontend` is the router's address
     for clients; `infos` are the ranks' (address, pid, vocab_size, max_model_len); `key` is the
-    data plane's (None on loopback unless `data_plane_auth` is on): clients need it too."""
+    data plane's, every role's (None only with `data_plane_auth` off): clients need it too; the
+    router and the ranks are given only their own role's secret (the router also the ranks',
+    to start a rank again)."""
 
     def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
                  strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
@@ -114,7 +116,8 @@ class RayDeployment:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(
             num_cpus=0, scheduling_strategy=here, max_restarts=ROUTER_MAX_RESTARTS,
-        ).remote(policy, host, collective_timeout_s, max_rank_restarts, self.key, _free_ports(host, 2))
+        ).remote(policy, host, collective_timeout_s, max_rank_restarts, role_key(self.key, ROUTER),
+                  _free_ports(host, 2))
         self.ranks: list = []
         self.spare = None
         self._stopping = threading.Event()
@@ -123,8 +126,8 @@ class RayDeployment:
             ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
             addrs = ray.get(self.router.addresses.remote(), timeout=START_TIMEOUT_S)
             cfg = {**dataclasses.asdict(config), "device": rank_device(config)}
-            self.spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s, self.key,
-                                 spare_rank)
+            self.spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s,
+                                 role_key(self.key, RANK), spare_rank)
             self.ranks = [self.spec.create(i) for i in range(dp_size)]
             self.infos = ray.get([a.start.remote(host, addrs["store_port"], addrs["backend"], collective_timeout_s,
                                                  host) for a in self.ranks], timeout=START_TIMEOUT_S)
