@@ -84,6 +84,8 @@ class ServerSection(_Section):
                                                 "allowed (default: the model argument as given)")
     api_server_count: int = Field(1, ge=1, description="API server processes sharing the port (more than "
                                                        "one serves through the router process)")
+    shutdown_grace_s: float = Field(3.0, ge=0, description="on SIGTERM/SIGINT, how long requests in flight may "
+                                                           "finish before they end with an error")
     # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
     max_request_body_bytes: int = Field(16 * 2**20, ge=1024, description="larger request bodies get 413")
     max_n: int = Field(128, ge=1, description="most choices (n) in one request")

@@ -62,8 +62,9 @@ def ensure_ray(address: str, num_cpus: int) -> bool:
             # Ray starts workers at nice 15 by default; ranks are the work itself, not helpers,
             # and a deprioritized rank slows every rank (lockstep).
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address=LOOPBACK,
-                     object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
+            with _own_session():
+                ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address=LOOPBACK,
+                         object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
             return True
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=address)
@@ -79,6 +80,34 @@ def _loopback_only() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+@contextlib.contextmanager
+def _own_session():
+    """The private instance's processes (GCS, raylet, and the workers the raylet starts) run in
+    a session of their own: a SIGTERM or SIGINT sent to this process's group (a terminal's
+    Ctrl-C, a supervisor's kill of the group) reaches this process, which drains and then stops
+    them (shutdown(), ray.shutdown()), instead of killing them under it (its Ray calls would
+    then wait a minute for the GCS and fail). They still die with this process: Ray sets each
+    one's parent-death signal. Ray offers no option for it, so its Popen is wrapped meanwhile."""
+    from ray._private import services
+
+    original = getattr(services, "ConsolePopen", None)
+    if original is None:  # another Ray version: its processes share this group
+        logger.warning("Ray's processes share this process group (ray._private.services.ConsolePopen not found)")
+        yield
+        return
+
+    class _InOwnSession(original):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _InOwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 @contextlib.contextmanager
@@ -201,7 +230,37 @@ class RayDeployment:
             _wait_for_exit(actor, deadline)
         remove_placement_group(self.pg)
         if self.owns_ray:
+            instance = _private_instance_processes()
             ray.shutdown()
+            _reap(instance, deadline)
+
+
+def _private_instance_processes() -> list:
+    """The processes of the Ray instance this process started: its descendants in a session
+    of their own (ensure_ray's _own_session), the workers the raylet started included."""
+    import psutil
+
+    mine = os.getsid(0)
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(proc.pid) != mine:
+                found.append(proc)
+    return found
+
+
+def _reap(procs: list, deadline: float) -> None:
+    """Waits for `procs` to end until `deadline` (at least a second), then kills those left: a
+    worker that Ray's shutdown left behind must not outlive the deployment."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=max(1.0, deadline - time.monotonic()))
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            logger.warning("killing %s (pid %d), still running after the Ray instance stopped", proc.name(),
+                           proc.pid)
+            proc.kill()
+    psutil.wait_procs(alive, timeout=2.0)
 
 
 def _left(deadline: float) -> float:

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from deepinfer_dp.config_file import add_config_args, load_config
+from deepinfer_dp.entrypoints.openai.draining import exit_at_once
 from deepinfer_dp.entrypoints.openai.launcher import add_serve_args, run_serve
 
 
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(args)
         if args.command == "serve":
-            run_serve(args)
-            return 0
+            with exit_at_once():  # the process ends here, once everything it started has stopped
+                run_serve(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"deepinfer-dp: error: {e}", file=sys.stderr)
         return 2

@@ -18,11 +18,13 @@ from prometheus_client import start_http_server
 
 from deepinfer_dp.engine.client import EngineClient
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
+from deepinfer_dp.entrypoints.openai.draining import DEFAULT_GRACE_S, DrainingServer, exit_at_once, fail_inflight_on
 from deepinfer_dp.entrypoints.openai.http_protocol import uvicorn_config
 from deepinfer_dp.entrypoints.openai.server import build_app
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless asked otherwise
 DEFAULT_PORT = 8000
+CLUSTER_STOP_S = 5.0  # after the HTTP server's drain: the router, the ranks, the private Ray instance
 
 
 class ServerThread:
@@ -60,15 +62,19 @@ class ServerThread:
 
 def run_server(client: EngineClient, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
-               sockets: list | None = None, limits: ServerLimits | None = None) -> int:
+               sockets: list | None = None, limits: ServerLimits | None = None,
+               shutdown_grace_s: float = DEFAULT_GRACE_S) -> int:
     """Serves until interrupted (Ctrl-C): returns 0, or 1 when the engine died (the server
     then stops by itself, so a supervisor sees the process end and restarts it). /metrics is
     always on `port`; `metrics_port` serves the same registry on a port of its own too.
-    `sockets`: already listening sockets to serve on (shared by several API servers)."""
+    `sockets`: already listening sockets to serve on (shared by several API servers).
+    On SIGTERM/SIGINT requests in flight get `shutdown_grace_s` to finish, then end with a 503
+    error (entrypoints/openai/draining.py)."""
     app = build_app(client, served_model_name, api_key, limits)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
-    server = uvicorn.Server(_uvicorn_config(app, host, port, limits, "info"))
+    server = DrainingServer(_uvicorn_config(app, host, port, limits, "info"), shutdown_grace_s,
+                            fail_inflight_on(client, shutdown_grace_s))
     died = _stop_when_the_engine_dies(client, server)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
     # handler it found; with this one that ends here, so the caller stops the engine and the
@@ -158,7 +164,7 @@ class DPClient:
 
     def shutdown(self) -> None:
         self.router.close()
-        self.deployment.shutdown()
+        self.deployment.shutdown(CLUSTER_STOP_S)
 
 
 def make_dp_client(model: str | None, dp_size: int, served_model_name: str | None = None,
@@ -212,7 +218,7 @@ def run_serve(args: argparse.Namespace) -> None:
     server = deployment.server
     try:
         code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
-                          limits=server.limits())
+                          limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s)
     finally:
         client.shutdown()
     if code:
@@ -222,7 +228,8 @@ def run_serve(args: argparse.Namespace) -> None:
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m deepinfer_dp.entrypoints.openai.launcher ...` without the CLI."""
     parser = add_serve_args(argparse.ArgumentParser(prog="deepinfer-dp serve"))
-    run_serve(parser.parse_args(argv))
+    with exit_at_once():
+        run_serve(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
