@@ -61,6 +61,7 @@ class DraftModelProposer:
                                            dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
         self._probs: dict[str, torch.Tensor] = {}
+        self._drafts: list[tuple[_C.Sequence, list[int]]] = []  # the latest propose()'s, until taken
         # request id -> (its preemption count, leading positions with valid draft K/V)
         self._valid: dict[str, tuple[int, int]] = {}
 
@@ -89,7 +90,10 @@ class DraftModelProposer:
 
     # ---- between steps: draft ------------------------------------------------------------
     def propose(self, scheduler: _C.Scheduler, k: int) -> int:
+        """Drafts for the scheduler's draft candidates on the device; the engine takes them
+        (take_draft_token_ids) and hands them to the scheduler. Returns how many got drafts."""
         self._probs = {}
+        self._drafts = []
         seqs, lens, lasts, tables, ks = [], [], [], [], []
         for seq in scheduler.draft_candidates():
             n = scheduler.draft_limit(seq, k)  # its back-off's length; no drafts the scheduler would drop
@@ -106,10 +110,14 @@ class DraftModelProposer:
         missing = self._missing(seqs)
         drafts, probs = self.run_on_device(self._planned_draft, lens, lasts, tables, max(ks), states, missing)
         for i, seq in enumerate(seqs):
-            scheduler.set_drafts(seq, drafts[i, : ks[i]].tolist())
+            self._drafts.append((seq, drafts[i, : ks[i]].tolist()))
             if probs is not None and probs[i] is not None:
                 self._probs[seq.request_id] = probs[i][: ks[i]]
         return len(seqs)
+
+    def take_draft_token_ids(self) -> list[tuple[_C.Sequence, list[int]]]:
+        drafts, self._drafts = self._drafts, []
+        return drafts
 
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         return self._probs.get(request_id)

@@ -71,6 +71,7 @@ class MTPProposer(DraftModelProposer):
                                         self.device)[0]
         mtp.bind_kv_cache(self.cache)
         self._probs: dict[str, torch.Tensor] = {}
+        self._drafts: list[tuple[Any, list[int]]] = []  # the latest propose()'s, until taken
         # (slot_mapping, hidden_states) of the latest target passes, newest first
         self._recent: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=RECENT_STEPS)
         self.forward_time_s = 0.0

@@ -5,7 +5,9 @@ A proposer (`Proposer`) runs on the host between two steps, after the previous s
 were appended and before the next schedule(). It sets drafts on the scheduler's draft
 candidates (running, decode-ready sequences with nothing in flight that allow drafting)
 through `set_drafts` (n-gram: `propose_ngram`, in C++); the scheduler then feeds them after
-each sequence's last token and verifies them in the same forward pass.
+each sequence's last token and verifies them in the same forward pass. A proposer with a
+network drafts on the device and the engine takes its drafts (`take_draft_token_ids`, as in
+vLLM) and hands them to the scheduler.
 
 A proposer with a network of its own (`ObservingProposer`: a draft model, an MTP head) also
 sees the target's forward passes: to keep its own KV cache in step with the target's, and
@@ -104,6 +106,14 @@ class ObservingProposer(Proposer, Protocol):
     # above it still makes the drafting passes on padding (draft_padding): under expert
     # parallelism MTP's MoE is a collective, and every DP rank must make the same passes.
     drafts_every_step: bool
+
+    def propose(self, scheduler: _C.Scheduler, k: int) -> int:
+        """Drafts up to `k` tokens for each of `scheduler.draft_candidates()` and keeps them for
+        take_draft_token_ids (it does not set them); returns how many sequences got drafts."""
+
+    def take_draft_token_ids(self) -> list[tuple[_C.Sequence, list[int]]]:
+        """The drafts of the latest propose(), once: the engine hands them to the scheduler
+        (vLLM's take_draft_token_ids)."""
 
     def observe_target(self, step: TargetStep) -> None:
         """Called on the device after every target forward it is shown."""

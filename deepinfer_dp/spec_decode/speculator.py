@@ -83,6 +83,9 @@ class Speculator:
             return False
         start = time.perf_counter()
         drafted = self.proposer.propose(scheduler, self.k)
+        if self.network is not None:  # a network's drafts are taken and handed to the scheduler here
+            for seq, drafts in self.network.take_draft_token_ids():
+                scheduler.set_drafts(seq, drafts)
         self.draft_time_s += time.perf_counter() - start
         # No drafts and every request paused by the acceptance back-off: an ordinary step,
         # deferred under ZOS and unseen by a draft model (it catches up when it drafts next).
