@@ -26,6 +26,12 @@ from import_graph import (
 # the model registry's lazy import of the family a checkpoint needs is its job.
 DYNAMIC_IMPORTS_ALLOWED = {f"{PACKAGE}.models.registry"}
 
+# TODO(lead): remove this exception. api_servers.py and launcher.py import each other inside
+# functions (run_server / run_api_servers); they were being rewritten for process resilience
+# while this test was written. It is the only circle excused, and test_no_import_circles
+# fails once it is gone, so that this entry goes with it.
+KNOWN_CIRCLES = [frozenset({f"{PACKAGE}.entrypoints.openai.api_servers", f"{PACKAGE}.entrypoints.openai.launcher"})]
+
 
 def _describe(imp: Import, layering: Layering) -> str:
     how = "inside a function" if imp.in_function else ("under TYPE_CHECKING" if imp.type_only else "at the top")
@@ -49,8 +55,13 @@ def test_every_module_is_in_a_declared_layer(found):
 
 
 def test_no_import_circles(found):
-    report = []
-    for cycle in all_cycles(graph(found.imports)):
+    report, cycles = [], all_cycles(graph(found.imports))
+    for known in KNOWN_CIRCLES:
+        if known not in {frozenset(c) for c in cycles}:
+            report.append(f"the known circle {sorted(known)} is gone: remove it from KNOWN_CIRCLES")
+    for cycle in cycles:
+        if frozenset(cycle) in KNOWN_CIRCLES:
+            continue
         report.append("import circle: " + " -> ".join(cycle))
         report += [f"  {imp.source}:{imp.line} -> {imp.target}" + (" (inside a function)" if imp.in_function else "")
                    for a, b in pairwise(cycle) for imp in found.imports if (imp.source, imp.target) == (a, b)]
