@@ -67,3 +67,35 @@ def test_a_refused_nested_field_is_named_and_logged(server, caplog, extra, param
     assert error["param"] == param and error["message"].startswith(param + ":")
     logged = [rec for rec in caplog.records if rec.levelno == logging.INFO and error["message"] in rec.getMessage()]
     assert logged, "the 400 and its message are in the server's log"
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("extra", [
+    {"request_id": "abc", "session_id": "s1", "length_penalty": 0.5, "stream_interval": 4},
+    {"use_beam_search": False, "watermarking": False, "priority": 0, "return_token_ids": False,
+     "spaces_between_special_tokens": True, "return_token_offsets": True, "return_mm_kwargs": False},
+    {"structured_outputs": {"regex": "[a-z]+", "disable_fallback": True}, "ignore_eos": False},
+])
+def test_vllm_fields_that_change_nothing_are_accepted(server, path, body, extra):
+    r = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body, extra, param", [
+    ("/v1/completions", COMPLETION, {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", COMPLETION, {"add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/completions", COMPLETION, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/completions", COMPLETION, {"priority": 3}, "priority"),
+    ("/v1/completions", COMPLETION, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/completions", COMPLETION, {"length_penalty": "long"}, "length_penalty"),
+    ("/v1/chat/completions", CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", CHAT, {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", CHAT, {"bad_words": ["x"]}, "bad_words"),
+    ("/v1/chat/completions", CHAT, {"structured_outputs": {"regex": "a", "structural_tag": "x"}, "ignore_eos": False},
+     "structured_outputs.structural_tag"),
+])
+def test_vllm_fields_that_would_change_the_result_are_refused(server, path, body, extra, param):
+    r = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "unsupported_parameter", error

@@ -15,8 +15,10 @@ it (tool_calls.py). Without the parser it is a 400.
 
 from __future__ import annotations
 
+from deepinfer_dp.entrypoints.openai import unsupported
+from deepinfer_dp.entrypoints.openai.guided import apply_guided
 from deepinfer_dp.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
-from deepinfer_dp.entrypoints.openai.serving_engine import bad_request
+from deepinfer_dp.entrypoints.openai.serving_engine import bad_request, refuse_unsupported
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolMode
 from deepinfer_dp.structured_output import backend
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
@@ -28,6 +30,7 @@ def structured_params(req: SamplingFields, tool_parser: str | None = None,
                       ) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
     """The request's constraint (None: free text) and, for tool calls, how to read the answer.
     `tool_parser`: the server's parser for tool_choice "auto" (None: auto is refused)."""
+    apply_guided(req)  # vLLM's older guided_* fields become structured_outputs
     asked = [name for name in ("response_format", "structured_outputs") if _asks(req, name)]
     tools = tool_mode(req, tool_parser) if isinstance(req, ChatCompletionRequest) else None
     if tools and tools.kind == "auto":
@@ -80,9 +83,12 @@ def _vllm_kind(req: SamplingFields) -> str:
 
 def _vllm_params(req: SamplingFields) -> StructuredOutputsParams:
     so = req.structured_outputs
+    refuse_unsupported(so, unsupported.STRUCTURED_OUTPUTS, "structured_outputs.")
     try:
         return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                                       whitespace_pattern=so.whitespace_pattern,
+                                       json_object_max_depth=so.json_object_max_depth)
     except ValueError as e:
         raise bad_request(str(e), "structured_outputs") from e
 
@@ -124,9 +130,10 @@ def _tools_params(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutpu
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "parameters": t.function.parameters or ANY_OBJECT},
               "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if req.parallel_tool_calls is False:
-        array["maxItems"] = 1
+    # at most one call per tool (one with parallel_tool_calls false), so that a weak model
+    # cannot repeat calls until max_tokens
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+             "maxItems": 1 if req.parallel_tool_calls is False else len(req.tools)}
     return StructuredOutputsParams(json=array)
 
 
