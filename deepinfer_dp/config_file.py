@@ -117,6 +117,32 @@ class MetricsSection(_Section):
                                                                "/metrics on the server's port only)")
 
 
+class DPSettings(_Section):
+    """A Ray DP deployment's router and Ray sections, as the launchers take them (RayDeployment,
+    DPDriver, LLM(dp_options=...), make_dp_client): the declared sections themselves."""
+    router: RouterSection = RouterSection()
+    ray: RaySection = RaySection()
+
+    @classmethod
+    def of(cls, options: DPSettings | dict[str, Any] | None) -> DPSettings:
+        """The settings, or a flat dict of the sections' own field names as LLM(dp_options=...)
+        takes it ({"policy": "least_loaded", "max_rank_restarts": 0}); a ValueError names an
+        unknown key or a bad value."""
+        if isinstance(options, DPSettings):
+            return options
+        parts: dict[str, dict[str, Any]] = {"router": {}, "ray": {}}
+        for key, value in (options or {}).items():
+            section = next((name for name in parts if key in cls.model_fields[name].annotation.model_fields), None)
+            if section is None:
+                known = [k for name in parts for k in cls.model_fields[name].annotation.model_fields]
+                raise ValueError(f"dp_options: unknown option {key!r} (known: {', '.join(known)})")
+            parts[section][key] = value
+        try:
+            return cls.model_validate(parts)
+        except ValidationError as e:
+            raise ValueError("invalid dp_options: " + describe_errors(e)) from None
+
+
 # section -> (its model, the prefix of its flags)
 SECTIONS: dict[str, tuple[type[_Section], str]] = {
     "router": (RouterSection, "router-"), "ray": (RaySection, "ray-"),
@@ -145,13 +171,9 @@ class _DeploymentBase(_Section):
         """The engine options as LLM(...) keywords, the model and dp_size left out."""
         return {k: getattr(self, k) for k in engine_fields() if k not in ("model", "dp_size")}
 
-    def dp_options(self) -> dict[str, Any]:
-        """Keywords for LLM(dp_options=...) when dp_size > 1 under Ray."""
-        return {"policy": self.router.policy, "address": self.ray.address,
-                "strategy": self.ray.placement_strategy,
-                "collective_timeout_s": self.router.collective_timeout_s,
-                "max_rank_restarts": self.router.max_rank_restarts,
-                "data_plane_auth": self.router.data_plane_auth, "spare_rank": self.router.spare_rank}
+    def dp_settings(self) -> DPSettings:
+        """The router and Ray sections, for LLM(dp_options=...) when dp_size > 1 under Ray."""
+        return DPSettings(router=self.router, ray=self.ray)
 
 
 DeploymentConfig = create_model(
@@ -225,21 +247,43 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment (a --config file, overridden by these flags)")
     g.add_argument("--config", default=None, help="YAML deployment config (see configs/)")
     for flag, key, f in _options():
-        kind = _scalar_type(f.annotation)
-        default = "" if f.default is None else f" (default: {f.default})"
-        if kind is dict:  # a mapping option: one JSON object on the command line
-            g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
-                           help=f"{f.description}{default}")
-        elif kind is list:  # several values: --served-model-name a b
-            g.add_argument(flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
-        elif kind is bool:
-            g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{f.description}{default}")
-        else:  # values are checked by the config's validation, the same as a file's
-            choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
-            metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
-            g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
-                           help=f"{f.description}{default}")
+        _add_flag(g, flag, key, f)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig option but `exclude`, the same flags as deepinfer-dp's, for a
+    launcher that takes no deployment file (launch/torchrun_generate.py); engine_options_of
+    reads them back."""
+    g = parser.add_argument_group("engine (EngineConfig options, deepinfer_dp/config.py)")
+    for name, f in engine_fields().items():
+        if name not in exclude:
+            _add_flag(g, "--" + name.replace("_", "-"), name, f)
+
+
+def engine_options_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (add_engine_args); the others are left
+    out, so EngineConfig's defaults apply."""
+    return {name: getattr(args, _dest(name)) for name in engine_fields()
+            if getattr(args, _dest(name), None) is not None}
+
+
+def _add_flag(g: argparse._ArgumentGroup, flag: str, key: str, f: FieldInfo) -> None:
+    """The flag of one option; it defaults to None (not given), its help shows the declared default."""
+    kind = _scalar_type(f.annotation)
+    default = "" if f.default is None else f" (default: {f.default})"
+    if kind is dict or issubclass(kind, BaseModel):  # a mapping option: one JSON object on the command line
+        g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
+                       help=f"{f.description}{default}")
+    elif kind is list:  # several values: --served-model-name a b
+        g.add_argument(flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
+    elif kind is bool:
+        g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{f.description}{default}")
+    else:  # values are checked by the config's validation, the same as a file's
+        choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
+        metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
+        g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
+                       help=f"{f.description}{default}")
 
 
 def _json_object(text: str) -> dict:

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable
 from transformers import AutoTokenizer
 
 from deepinfer_dp.cluster.data_plane import ClusterKey
-from deepinfer_dp.cluster.ray_launcher import RayDeployment
+from deepinfer_dp.cluster.ray_launcher import LOOPBACK, RayDeployment
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineError, RequestRejected
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.engine.outputs import OwnedOutput
@@ -29,17 +30,13 @@ from deepinfer_dp.sampling_params import SamplingParams
 
 
 class DPDriver:
-    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors) and a
-    RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
+    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors, as
+    `settings` say) and a RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
     `deployment` has the processes (kill_rank, infos)."""
 
-    def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
-                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 max_rank_restarts: int = 3, data_plane_auth: str = "auto", spare_rank: bool = True) -> None:
+    def __init__(self, config: EngineConfig, settings: DPSettings, host: str = LOOPBACK) -> None:
         self.config = config = per_rank_threads(config)
-        self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host,
-                                        max_rank_restarts=max_rank_restarts, data_plane_auth=data_plane_auth,
-                                        spare_rank=spare_rank)
+        self.deployment = RayDeployment(config, settings, host)
         try:
             self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
                                   str(config.model or "default"), host, self.deployment.key)

@@ -32,10 +32,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deepinfer_dp.cluster.data_plane import RANK, ROUTER, AuthMode, cluster_key_for, role_key
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, cluster_key_for, role_key
 from deepinfer_dp.cluster.rank_actor import RankSpec, rank_device
 from deepinfer_dp.cluster.router_actor import RouterActor
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 
 logger = logging.getLogger(__name__)
 RAY_TEMP_DIR = "/tmp/ray_dp"
@@ -126,27 +127,28 @@ def _keep_signal_handlers():
 
 
 class RayDeployment:
-    """The router and rank actors of one DP deployment. `frontend` is the router's address
+    """The router and rank actors of one DP deployment, as `settings` (the deployment's router
+    and Ray sections) say. `frontend` is the router's address
     for clients; `infos` are the ranks' (address, pid, vocab_size, max_model_len); `key` is the
     data plane's, every role's (None only with `data_plane_auth` off): clients need it too; the
     router and the ranks are given only their own role's secret (the router also the ranks',
     to start a rank again)."""
 
-    def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
-                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cpus_per_rank: float = 1.0, max_rank_restarts: int = 3, data_plane_auth: AuthMode = "auto",
-                 spare_rank: bool = True) -> None:
-        dp_size = config.dp_size
-        self.key = cluster_key_for(host, data_plane_auth)
-        self.owns_ray = ensure_ray(address, max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999)))
+    def __init__(self, config: EngineConfig, settings: DPSettings, host: str = LOOPBACK,
+                 cpus_per_rank: float = 1.0) -> None:
+        dp_size, router = config.dp_size, settings.router
+        collective_timeout_s = router.collective_timeout_s
+        self.key = cluster_key_for(host, router.data_plane_auth)
+        cpus = max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999))
+        self.owns_ray = ensure_ray(settings.ray.address, cpus)
         gpus = 1 if config.torch_device().type == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(dp_size)], strategy=strategy.upper())
+        self.pg = placement_group([dict(bundle) for _ in range(dp_size)],
+                                  strategy=settings.ray.placement_strategy.upper())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(
             num_cpus=0, scheduling_strategy=here, max_restarts=ROUTER_MAX_RESTARTS,
-        ).remote(policy, host, collective_timeout_s, max_rank_restarts, role_key(self.key, ROUTER),
-                  _free_ports(host, 2))
+        ).remote(router, host, role_key(self.key, ROUTER), _free_ports(host, 2))
         self.ranks: list = []
         self.spare = None
         self._stopping = threading.Event()
@@ -156,7 +158,7 @@ class RayDeployment:
             addrs = ray.get(self.router.addresses.remote(), timeout=START_TIMEOUT_S)
             cfg = {**dataclasses.asdict(config), "device": rank_device(config)}
             self.spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s,
-                                 role_key(self.key, RANK), spare_rank)
+                                 role_key(self.key, RANK), router.spare_rank)
             self.ranks = [self.spec.create(i) for i in range(dp_size)]
             self.infos = ray.get([a.start.remote(host, addrs["store_port"], addrs["backend"], collective_timeout_s,
                                                  host) for a in self.ranks], timeout=START_TIMEOUT_S)

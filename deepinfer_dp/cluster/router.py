@@ -28,9 +28,10 @@ from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
 from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
-from deepinfer_dp.cluster.policies import RoutingPolicy
+from deepinfer_dp.cluster.policies import RoutingPolicy, make_policy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
+from deepinfer_dp.config_file import RouterSection
 
 logger = logging.getLogger(__name__)
 CLIENT_TIMEOUT_S = 30.0
@@ -45,10 +46,11 @@ class _Client:
 
 
 class Router:
-    def __init__(self, policy: RoutingPolicy, host: str = "127.0.0.1", collective_timeout_s: float = 30.0,
+    def __init__(self, settings: RouterSection, policy: RoutingPolicy | None = None, host: str = "127.0.0.1",
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 max_rank_restarts: int = 0, key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
-        self.policy = policy
+                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
+        """`settings`: the deployment's router section; `policy` (tests) replaces its policy."""
+        self.policy = policy if policy is not None else make_policy(settings.policy)
         self.host = host
         self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
         self._plane = DataPlane(key, ROUTER)  # `key`: peers by role (cluster/data_plane.py)
@@ -62,8 +64,8 @@ class Router:
         self.backend_address = self._backend.address
         self._lock = threading.RLock()
         self.waves = Waves()
-        self.membership = Membership(self._plane, self._lock, self.waves, host, collective_timeout_s,
-                                     on_down=self._fail_requests_of, max_restarts=max_rank_restarts)
+        self.membership = Membership(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
+                                     on_down=self._fail_requests_of, max_restarts=settings.max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
         self._requests: dict[str, tuple[str, int]] = {}  # request id -> (client id, dp rank)

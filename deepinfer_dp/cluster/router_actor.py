@@ -14,6 +14,7 @@ import ray
 
 from deepinfer_dp.cluster.data_plane import ClusterKey
 from deepinfer_dp.cluster.rank_actor import RankSpec
+from deepinfer_dp.config_file import RouterSection
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # model load on a restarted rank, GGUF conversion on a cold cache included
@@ -25,17 +26,15 @@ class RouterActor:
     is one (a rank process with its imports done, most of a restart's time), else by a new
     actor in the dead rank's bundle. It also serves the store the first DP group forms on."""
 
-    def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int,
-                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
-        from deepinfer_dp.cluster.policies import make_policy
+    def __init__(self, settings: RouterSection, host: str, key: ClusterKey | None = None,
+                 ports: tuple[int, int] = (0, 0)) -> None:
         from deepinfer_dp.cluster.router import Router
         from deepinfer_dp.distributed.groups import serve_store
 
         # `ports` (frontend, backend): fixed, so that a restarted router is where its peers
         # already reconnect to.
-        self.router = Router(make_policy(policy), host, collective_timeout_s, max_rank_restarts=max_rank_restarts,
-                             key=key, ports=ports)
-        self.store = serve_store(host, collective_timeout_s)
+        self.router = Router(settings, host=host, key=key, ports=ports)
+        self.store = serve_store(host, settings.collective_timeout_s)
         self.actors: list = []
         self.infos: list[dict] = []
         self.spec: RankSpec | None = None

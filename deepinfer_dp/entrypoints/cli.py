@@ -48,7 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from deepinfer_dp.sampling_params import SamplingParams
 
     deployment = load_config(args)
-    llm = LLM(model=deployment.model, dp_size=deployment.dp_size, dp_options=deployment.dp_options(),
+    llm = LLM(model=deployment.model, dp_size=deployment.dp_size, dp_options=deployment.dp_settings(),
               **deployment.engine_options())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.distributed.groups import torchrun_env
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
@@ -29,10 +30,11 @@ class LLM:
     """`LLM(model=None)` serves the default SmolLM2-135M-Instruct; `model` may be a Hugging
     Face directory or a .gguf file; other keywords are EngineConfig options."""
 
-    def __init__(self, model: str | None = None, decode_sequence: bool = True, dp_options: dict | None = None,
-                 **engine_options) -> None:
-        """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`:
-        policy, address, strategy, collective_timeout_s, host; see cluster/dp_driver.py).
+    def __init__(self, model: str | None = None, decode_sequence: bool = True,
+                 dp_options: DPSettings | dict | None = None, **engine_options) -> None:
+        """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`: the
+        router and Ray sections of config_file.py, or a dict of their fields' names, e.g.
+        {"policy": "least_loaded", "max_rank_restarts": 0}; see DPSettings.of).
         Under torchrun, each process is one DP rank and calls generate on its own shard."""
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.decode_sequence = decode_sequence
@@ -46,7 +48,7 @@ class LLM:
             self.llm_engine = self._loop.engine
         elif config.dp_size > 1:
             from deepinfer_dp.cluster.dp_driver import DPDriver
-            self.dp = DPDriver(config, **(dp_options or {}))
+            self.dp = DPDriver(config, DPSettings.of(dp_options))
         else:
             self.llm_engine = LLMEngine(config)
             self._loop = StepLoop(self.llm_engine)

@@ -14,6 +14,7 @@ from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.policies import RoundRobin
 from deepinfer_dp.cluster.router import Router
 from deepinfer_dp.cluster.router_client import RouterClient
+from deepinfer_dp.config_file import RouterSection
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ def _ages(router: Router) -> list:
 
 
 def test_step_age_only_while_the_group_has_work():
-    router = Router(RoundRobin(), health_interval_s=0.1)
+    router = Router(RouterSection(max_rank_restarts=0), RoundRobin(), health_interval_s=0.1)
     ranks = [FakeRank(i, router.backend_address) for i in range(2)]
     router.attach_ranks([r.address for r in ranks], FakeLiveness())
     router.start()

@@ -45,7 +45,7 @@ def run_api_servers(deployment, served_model_name: list[str]) -> int:
     stop = threading.Event()  # from here on a signal stops everything cleanly, start-up included
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = RayDeployment(per_rank_threads(deployment.engine_config()), **deployment.dp_options())
+    cluster = RayDeployment(per_rank_threads(deployment.engine_config()), deployment.dp_settings())
     metrics_dir = tempfile.mkdtemp(prefix="deepinfer_dp_metrics_")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
     sock = _listen(server.host, server.port)

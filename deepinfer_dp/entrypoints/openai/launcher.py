@@ -16,6 +16,7 @@ import threading
 import uvicorn
 from prometheus_client import start_http_server
 
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineClient
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 from deepinfer_dp.entrypoints.openai.draining import DEFAULT_GRACE_S, DrainingServer, exit_at_once, fail_inflight_on
@@ -168,19 +169,18 @@ class DPClient:
 
 
 def make_dp_client(model: str | None, dp_size: int, served_model_name: str | None = None,
-                   policy: str = "round_robin", dp_options: dict | None = None, **engine_options) -> DPClient:
-    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient protocol)."""
+                   dp_options: DPSettings | dict | None = None, **engine_options) -> DPClient:
+    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient
+    protocol), deployed as `dp_options` say (DPSettings.of: the settings or a dict of their names)."""
     from deepinfer_dp.cluster.dp_driver import connect, per_rank_threads
     from deepinfer_dp.cluster.ray_launcher import RayDeployment
     from deepinfer_dp.config import EngineConfig
 
     config = per_rank_threads(EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options))
-    options = {"policy": policy, **(dp_options or {})}
-    deployment = RayDeployment(config, **options)
+    deployment = RayDeployment(config, DPSettings.of(dp_options), DEFAULT_HOST)
     name = served_model_name or default_model_name(model)
     try:
-        router = connect(deployment.frontend, deployment.infos[0], model, name, options.get("host", DEFAULT_HOST),
-                         deployment.key)
+        router = connect(deployment.frontend, deployment.infos[0], model, name, DEFAULT_HOST, deployment.key)
     except BaseException:
         deployment.shutdown()
         raise
@@ -211,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
         raise SystemExit(run_api_servers(deployment, names))
     if deployment.dp_size > 1:
-        client = make_dp_client(deployment.model, deployment.dp_size, names[0], dp_options=deployment.dp_options(),
+        client = make_dp_client(deployment.model, deployment.dp_size, names[0], dp_options=deployment.dp_settings(),
                                 **engine)
     else:
         client = make_local_client(deployment.model, names[0], **engine)
