@@ -72,6 +72,10 @@ class EngineConfig:
         None, description='speculative decoding, vLLM\'s keys, e.g. {"method": "ngram", '
                           '"num_speculative_tokens": 3} (JSON on the command line)')
     seed: int = Field(0, description="seed of the global RNG (requests without their own seed)")
+    generation_config: str = Field(
+        "auto", min_length=1, description='sampling defaults of requests that leave fields unset: "auto" (the '
+                                          'model\'s generation_config.json), "vllm" (neutral ones) or a folder '
+                                          'holding a generation_config.json')
     torch_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: "
                                                               "$DEEPINFER_DP_TORCH_THREADS or torch's)")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks")

@@ -57,12 +57,18 @@ class DPDriver:
 
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Validates (raises ValueError naming the problem) and sends the request to the router."""
+        """Validates (InputProcessor.process; InvalidRequest naming the field; no params: the
+        model's defaults) and sends the request to the router with add_checked."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("add_request needs a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt).input_ids
-        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
+        params = sampling_params if sampling_params is not None else self.input_processor.default_params()
+        return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
+
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Sends a request (n=1) that has passed InputProcessor.process to the router; the
+        rank admits it without checking it again (engine/input_processor.py)."""
         rid = str(next(self._counter)) if request_id is None else str(request_id)
         self.router.submit(rid, ids, params, self._outputs.put)
         self._pending.add(rid)
@@ -134,5 +140,5 @@ def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
     plane's key (RayDeployment.key)."""
     info = rank_info
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
-    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"],
-                        InputProcessor(info["vocab_size"], info["max_model_len"]), host, key=key)
+    processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
+    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)

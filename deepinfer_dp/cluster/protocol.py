@@ -172,4 +172,4 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**fields)  # validates again on the rank
+    return SamplingParams(**fields)  # validated by the sender (engine/input_processor.py)

@@ -158,8 +158,9 @@ class RankServer:
 
     def _add(self, msg: p.AddRequest) -> bool:
         try:
-            self.engine.add_request(None, p.params_from_wire(msg.params), msg.prompt_token_ids,
-                                    request_id=msg.request_id)
+            # Trusted, not validated again: only peers holding the data plane's key (the API
+            # servers and the DP driver, which ran InputProcessor.process) can send AddRequest.
+            self.engine.add_checked(msg.prompt_token_ids, p.params_from_wire(msg.params), msg.request_id)
         except ValueError as e:  # the request's own fault
             self._send(p.Rejected(self.dp_rank, msg.request_id, f"request {msg.request_id}: {e}"))
             return False

@@ -1,8 +1,9 @@
 """The client side of the router process: an EngineClient for an API server, and a thread-safe
 submit / abort / query core for the offline driver (cluster/dp_driver.py).
 
-A request is validated here (the InputProcessor) before it goes on the wire, so the router
-and the ranks only ever see requests that can run. One receiver thread reads the replies and
+A request comes to submit() / generate() validated: its callers (DPDriver.add_request, the
+OpenAI server's prepare) ran `input_processor.process` on it once, so the router and the
+ranks trust it and only ever see requests that can run. One receiver thread reads the replies and
 hands each request's deltas to its sink; it also sends the heartbeat (a HealthQuery every
 second, after a Hello: a router process that Ray restarted learns of this client from it).
 If the router stops answering for `router_timeout_s`, every waiting request fails with

@@ -32,6 +32,7 @@ from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.input_processor import InputProcessor, InvalidRequest
 from deepinfer_dp.engine.outputs import OwnedOutput
+from deepinfer_dp.engine.sampling_defaults import checked_sampling_defaults
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import LoadedModel, load_model, max_context_len
@@ -75,7 +76,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
-        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len,
+                                              checked_sampling_defaults(config.generation_config, loaded.model_dir))
         # a draft model's (or MTP head's) own KV cache comes out of the same budget
         draft_per_block = speculator.kv_bytes_per_block(spec, self.hf_config, config.block_size,
                                                         config.torch_dtype())
@@ -113,14 +115,18 @@ class LLMEngine:
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Tokenizes if needed, gives the next integer id, validates (InputProcessor) and
-        enqueues. No model work. Bad input raises InvalidRequest (a ValueError) naming the
-        problem, and nothing is queued: everything that can fail runs before the C++ enqueue."""
+        """Tokenizes if needed, validates (InputProcessor.process; no params: the model's defaults)
+        and enqueues with add_checked. Bad input raises InvalidRequest naming the field."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequest("add_request needs a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = self.tokenizer(prompt).input_ids
-        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
+        params = sampling_params if sampling_params is not None else self.input_processor.default_params()
+        return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
+
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Enqueues a request (n=1) that passed InputProcessor.process, without checking it again.
+        No model work; everything that can fail runs before the C++ enqueue."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequest(f"request {request_id} is already running")

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from deepinfer_dp.sampling_params import DEFAULT_MAX_TOKENS
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -172,7 +174,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # unsent: the model's default, if it has one
     logprobs: int | None = None
     echo: bool = False
     suffix: Any = None  # refused (unsupported.py)

@@ -6,8 +6,10 @@ One request asks for at most one of:
   - `structured_outputs`: vLLM's extension, json / regex / choice / grammar / json_object;
   - `tools` with `tool_choice` "required" or a named function (chat): the output is JSON
     constrained to the tools' parameter schemas, answered as OpenAI `tool_calls`.
-Each becomes a StructuredOutputsParams checked by the grammar library here, so a schema,
-regex or grammar it cannot read is a 400 naming the request field, before anything is queued.
+Each becomes a StructuredOutputsParams, checked with the rest of the request by the engine's
+validator (structured_output/limits.py: the grammar library reads it, within bounds), so a
+schema, regex or grammar it cannot read, or one past a bound, is a 400 naming the request
+field (`constraint_field`), before anything is queued.
 `tool_choice: "auto"` (the default with tools) leaves the text free: the model decides, and
 the server's tool-call parser (`--enable-auto-tool-choice`, Hermes format) reads calls out of
 it (tool_calls.py). Without the parser it is a 400.
@@ -20,7 +22,7 @@ from deepinfer_dp.entrypoints.openai.guided import apply_guided
 from deepinfer_dp.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
 from deepinfer_dp.entrypoints.openai.serving_engine import bad_request, refuse_unsupported
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolMode
-from deepinfer_dp.structured_output import backend
+from deepinfer_dp.structured_output import limits
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
@@ -46,10 +48,18 @@ def structured_params(req: SamplingFields, tool_parser: str | None = None,
     if not asked:
         return None, None
     if tools:
-        return _check(_tools_params(req, tools), "tools"), tools
+        return _tools_params(req, tools), tools
     if asked[0] == "response_format":
-        return _check(_response_format(req), "response_format.json_schema.schema"), None
-    return _check(_vllm_params(req), f"structured_outputs.{_vllm_kind(req)}"), None
+        return _response_format(req), None
+    return _vllm_params(req), None
+
+
+def constraint_field(req: SamplingFields) -> str | None:
+    """The request field a constraint from structured_params came from, for a 400 about it
+    (None: the validator's own name, structured_outputs.<kind>, is the field)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice not in (None, "none", "auto"):
+        return "tools"
+    return "response_format.json_schema.schema" if _asks(req, "response_format") else None
 
 
 def _asks(req: SamplingFields, name: str) -> bool:
@@ -59,7 +69,7 @@ def _asks(req: SamplingFields, name: str) -> bool:
 
 def _check(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
     try:
-        backend.check(params)
+        limits.check(params)
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param) from e
     return params
@@ -73,12 +83,6 @@ def _response_format(req: SamplingFields) -> StructuredOutputsParams:
         raise bad_request('response_format of type "json_schema" needs a json_schema object',
                           "response_format.json_schema")
     return StructuredOutputsParams(json=fmt.json_schema.schema_ or ANY_OBJECT)
-
-
-def _vllm_kind(req: SamplingFields) -> str:
-    so = req.structured_outputs
-    return next((k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                ("grammar", so.grammar), ("json_object", so.json_object)) if v), "json")
 
 
 def _vllm_params(req: SamplingFields) -> StructuredOutputsParams:
