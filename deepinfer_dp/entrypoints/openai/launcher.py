@@ -10,6 +10,7 @@ router process of deepinfer_dp.cluster (RouterClient, the same EngineClient prot
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import threading
 
@@ -82,6 +83,12 @@ def run_server(client: EngineClient, served_model_name: str | list[str] | None =
     # process exits with status 0 (outside server.run the default handlers apply).
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     previous = {sig: signal.signal(sig, _already_handled) for sig in handled}
+    # Everything built so far (torch, the model, the tokenizer) lives as long as the process:
+    # frozen, a full collection no longer walks it. Unfrozen, the objects one large request
+    # body creates set off a full collection that held the event loop for 1.0 s (vLLM freezes
+    # its start-up heap the same way).
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=sockets)
     finally:
