@@ -50,6 +50,8 @@ class RouterSection(_Section):
                             "then drive the cluster and stop its ranks")
     spare_rank: bool = Field(True, description="keep one idle rank process with its imports done (CPU "
                                                "ranks), so that a dead rank is replaced faster")
+    data_plane_host: str = Field("127.0.0.1", min_length=1, description="the address the router's and the "
+                                 "ranks' ZeroMQ sockets bind (across nodes: one the other nodes reach)")
 
 
 class RaySection(_Section):

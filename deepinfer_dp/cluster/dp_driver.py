@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from transformers import AutoTokenizer
 
 from deepinfer_dp.cluster.data_plane import ClusterKey
-from deepinfer_dp.cluster.ray_launcher import LOOPBACK, RayDeployment
+from deepinfer_dp.cluster.ray_launcher import RayDeployment
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import DPSettings
@@ -34,12 +34,13 @@ class DPDriver:
     `settings` say) and a RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
     `deployment` has the processes (kill_rank, infos)."""
 
-    def __init__(self, config: EngineConfig, settings: DPSettings, host: str = LOOPBACK) -> None:
+    def __init__(self, config: EngineConfig, settings: DPSettings) -> None:
         self.config = config = per_rank_threads(config)
-        self.deployment = RayDeployment(config, settings, host)
+        self.deployment = RayDeployment(config, settings)
         try:
             self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
-                                  str(config.model or "default"), host, self.deployment.key)
+                                  str(config.model or "default"), settings.router.data_plane_host,
+                                  self.deployment.key)
         except BaseException:
             self.deployment.shutdown()
             raise

@@ -134,9 +134,9 @@ class RayDeployment:
     router and the ranks are given only their own role's secret (the router also the ranks',
     to start a rank again)."""
 
-    def __init__(self, config: EngineConfig, settings: DPSettings, host: str = LOOPBACK,
-                 cpus_per_rank: float = 1.0) -> None:
+    def __init__(self, config: EngineConfig, settings: DPSettings, cpus_per_rank: float = 1.0) -> None:
         dp_size, router = config.dp_size, settings.router
+        host = router.data_plane_host
         collective_timeout_s = router.collective_timeout_s
         self.key = cluster_key_for(host, router.data_plane_auth)
         cpus = max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999))

@@ -184,10 +184,12 @@ def make_dp_client(model: str | None, dp_size: int, served_model_name: str | Non
     from deepinfer_dp.config import EngineConfig
 
     config = per_rank_threads(EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options))
-    deployment = RayDeployment(config, DPSettings.of(dp_options), DEFAULT_HOST)
+    settings = DPSettings.of(dp_options)
+    deployment = RayDeployment(config, settings)
     name = served_model_name or default_model_name(model)
     try:
-        router = connect(deployment.frontend, deployment.infos[0], model, name, DEFAULT_HOST, deployment.key)
+        router = connect(deployment.frontend, deployment.infos[0], model, name, settings.router.data_plane_host,
+                         deployment.key)
     except BaseException:
         deployment.shutdown()
         raise
