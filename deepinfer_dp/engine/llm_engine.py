@@ -115,8 +115,7 @@ class LLMEngine:
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Tokenizes if needed, validates (InputProcessor.process; no params: the model's defaults)
-        and enqueues with add_checked. Bad input raises InvalidRequest naming the field."""
+        """Tokenizes if needed, validates (InputProcessor.process, InvalidRequest) and add_checked."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequest("add_request needs a prompt or prompt_token_ids", "prompt")
@@ -125,8 +124,7 @@ class LLMEngine:
         return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
 
     def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Enqueues a request (n=1) that passed InputProcessor.process, without checking it again.
-        No model work; everything that can fail runs before the C++ enqueue."""
+        """Enqueues a request (n=1) that passed InputProcessor.process; no check again, no model work."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequest(f"request {request_id} is already running")
