@@ -60,21 +60,6 @@ class RaySection(_Section):
                                                                               "or spread them over nodes")
 
 
-# The server section as the HTTP front reads it (entrypoints/openai/admission.py enforces it):
-# declared here, with the section, so that the declarations import nothing above them.
-@dataclass(frozen=True)
-class ServerLimits:
-    max_request_body_bytes: int = 16 * 2**20
-    max_n: int = 128
-    max_prompts: int = 256  # prompts in one completions request
-    max_waiting_requests: int = 1024  # engine requests admitted and not yet at their first token
-    chat_special_tokens_as_text: bool = True  # special-token strings in chat content stay plain text
-    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
-    request_read_timeout_s: float = 10.0  # a request's headers and body, from its first byte (else 408)
-    timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed
-    stall_timeout_s: float = 5.0  # /health: a rank with work and no finished step this long is stalled
-
-
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="the HTTP server's address")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP server's port")
@@ -112,6 +97,26 @@ class ServerSection(_Section):
                             self.chat_special_tokens_as_text,
                             self.tool_call_parser if self.enable_auto_tool_choice else None,
                             self.request_read_timeout_s, self.timeout_keep_alive_s, self.stall_timeout_s)
+
+
+# The server section as the HTTP front reads it (entrypoints/openai/admission.py enforces it):
+# declared here, with the section, so that the declarations import nothing above them. Its
+# defaults are the section's.
+def _server_default(name: str) -> Any:
+    return ServerSection.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = _server_default("max_request_body_bytes")
+    max_n: int = _server_default("max_n")
+    max_prompts: int = _server_default("max_prompts")  # prompts in one completions request
+    max_waiting_requests: int = _server_default("max_waiting_requests")  # admitted, not yet at their first token
+    chat_special_tokens_as_text: bool = _server_default("chat_special_tokens_as_text")
+    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
+    request_read_timeout_s: float = _server_default("request_read_timeout_s")  # else 408
+    timeout_keep_alive_s: float = _server_default("timeout_keep_alive_s")
+    stall_timeout_s: float = _server_default("stall_timeout_s")
 
 
 class MetricsSection(_Section):

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from deepinfer_dp.config import engine_fields
-from deepinfer_dp.config_file import SECTIONS, DeploymentConfig, DPSettings, RaySection, RouterSection
+from deepinfer_dp.config_file import (
+    SECTIONS,
+    DeploymentConfig,
+    DPSettings,
+    RaySection,
+    RouterSection,
+    ServerLimits,
+    ServerSection,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # A name two sections declare on purpose: server.port (--port) and metrics.port (--metrics-port).
@@ -43,6 +51,15 @@ def test_no_setting_is_declared_in_two_places():
     # DPSettings.of files a flat dict's key under the one section that declares it
     assert not set(RouterSection.model_fields) & set(RaySection.model_fields)
     assert set(DPSettings.model_fields) == {"router", "ray"}
+
+
+def test_the_http_front_takes_the_server_sections_defaults():
+    from deepinfer_dp.entrypoints.openai import draining, launcher
+
+    section = ServerSection()
+    assert (launcher.DEFAULT_HOST, launcher.DEFAULT_PORT) == (section.host, section.port)
+    assert draining.DEFAULT_GRACE_S == section.shutdown_grace_s
+    assert ServerLimits() == section.limits()
 
 
 def _redeclarations(path: str) -> list[str]:

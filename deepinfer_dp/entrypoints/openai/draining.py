@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from deepinfer_dp.config_file import ServerSection
 from deepinfer_dp.engine.client import EngineClient, NoCapacity
 
 logger = logging.getLogger(__name__)
-DEFAULT_GRACE_S = 3.0
+DEFAULT_GRACE_S = ServerSection.model_fields["shutdown_grace_s"].default
 CANCEL_MARGIN_S = 2.0  # after the grace: for the failed requests' last events to be written
 
 

@@ -17,15 +17,15 @@ import threading
 import uvicorn
 from prometheus_client import start_http_server
 
-from deepinfer_dp.config_file import DPSettings
+from deepinfer_dp.config_file import DPSettings, ServerSection
 from deepinfer_dp.engine.client import EngineClient
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 from deepinfer_dp.entrypoints.openai.draining import DEFAULT_GRACE_S, DrainingServer, exit_at_once, fail_inflight_on
 from deepinfer_dp.entrypoints.openai.http_protocol import uvicorn_config
 from deepinfer_dp.entrypoints.openai.server import build_app
 
-DEFAULT_HOST = "127.0.0.1"  # loopback unless asked otherwise
-DEFAULT_PORT = 8000
+DEFAULT_HOST = ServerSection.model_fields["host"].default  # loopback unless asked otherwise
+DEFAULT_PORT = ServerSection.model_fields["port"].default
 CLUSTER_STOP_S = 5.0  # after the HTTP server's drain: the router, the ranks, the private Ray instance
 
 
