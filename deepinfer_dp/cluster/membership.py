@@ -30,7 +30,6 @@ import zmq
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import RANK, DataPlane
 from deepinfer_dp.cluster.waves import Waves
-from deepinfer_dp.distributed.groups import serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +213,8 @@ class Membership:
     def _reform(self) -> None:
         """A fresh group of the ranks that are up, on a new store."""
         self._broken_since, self._broken_ranks = None, set()
+        from deepinfer_dp.distributed.groups import serve_store  # torch: only once a group re-forms
+
         store = serve_store(self._host)
         self._stores.append(store)
         members = self.up()

@@ -6,9 +6,12 @@ messages) is placed on this node, next to the clients that connect to it. addres
 starts a private Ray instance for this process; address="auto" joins the cluster started by
 launch/ray_head.sh (and ray_worker.sh on other nodes).
 
-The router is restarted by Ray when its process dies (max_restarts); it binds the same two
-ports again, and a thread here (RayDeployment._watch_router) hands the new process the rank
-actors (RouterActor.recover). The ranks, their DP group and the clients stay as they are.
+A standby router process waits with its imports done; when the router's process dies, a
+thread here (RayDeployment._watch_router) sees it within WATCH_INTERVAL_S and hands the standby
+the rank actors (RouterActor.recover): it binds the same two ports, so the ranks' and the
+clients' sockets reconnect by themselves, and a new standby starts. The ranks, their DP group
+and the clients stay as they are. (Ray's own actor restart took 10-17 s on a loaded machine:
+a new worker process importing Ray and the router; the standby takes over in about a second.)
 
 shutdown() stops everything in order: the router asks the ranks to leave, each rank stops its
 engine and destroys its DP group, and the actors exit through Ray's graceful termination
@@ -34,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deepinfer_dp.cluster.data_plane import RANK, ROUTER, cluster_key_for, role_key
 from deepinfer_dp.cluster.rank_actor import RankSpec, rank_device
-from deepinfer_dp.cluster.router_actor import RouterActor
+from deepinfer_dp.cluster.router_actor import RouterActor, process_exists
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import DPSettings
 
@@ -43,7 +46,6 @@ RAY_TEMP_DIR = "/tmp/ray_dp"
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 600.0  # model load on every rank, GGUF conversion on a cold cache included
 STOP_TIMEOUT_S = 30.0
-ROUTER_MAX_RESTARTS = 100
 WATCH_INTERVAL_S = 0.5
 
 
@@ -146,9 +148,11 @@ class RayDeployment:
         self.pg = placement_group([dict(bundle) for _ in range(dp_size)],
                                   strategy=settings.ray.placement_strategy.upper())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ray.remote(RouterActor).options(
-            num_cpus=0, scheduling_strategy=here, max_restarts=ROUTER_MAX_RESTARTS,
-        ).remote(router, host, role_key(self.key, ROUTER), _free_ports(host, 2))
+        self._new_router = lambda standby: ray.remote(RouterActor).options(
+            num_cpus=0, scheduling_strategy=here).remote(router, host, role_key(self.key, ROUTER), ports, standby)
+        ports = _free_ports(host, 2)
+        self.router = self._new_router(False)
+        self._standby = None
         self.ranks: list = []
         self.spare = None
         self._stopping = threading.Event()
@@ -170,26 +174,47 @@ class RayDeployment:
                 raise cause from e
             raise
         self.frontend = addrs["frontend"]
-        self.router_pid = addrs["pid"]  # the first router process's (router_process(): the one now)
+        self.router_pid = addrs["pid"]  # the router's process now (a new one after a fail-over)
+        self._standby = self._new_router(True)
         self._watch = threading.Thread(target=self._watch_router, name="router-watch", daemon=True)
         self._watch.start()
 
     def _watch_router(self) -> None:
-        """Keeps a copy of the rank actors, and hands them to a router process Ray restarted."""
+        """Keeps a copy of the rank actors; when the router's process dies, the standby takes over."""
         while not self._stopping.wait(WATCH_INTERVAL_S):
+            if not process_exists(self.router_pid):  # on this node: seen at once
+                self._fail_over("its process is gone")
+                continue
             try:
-                if ray.get(self.router.attached.remote(), timeout=STOP_TIMEOUT_S):
-                    self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S)
-                    self.spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
-                elif not self._stopping.is_set():
-                    started = time.monotonic()
-                    up = ray.get(self.router.recover.remote(self.spec, self.ranks, self.spare),
-                                 timeout=STOP_TIMEOUT_S)
-                    logger.warning("the router process was restarted; it took the ranks back in %.1fs (up: %s)",
-                                   time.monotonic() - started, up)
-            except (ray.exceptions.RayError, TimeoutError) as e:
-                if not self._stopping.is_set():
-                    logger.warning("the router process is not answering (%s); Ray restarts it", type(e).__name__)
+                self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S)
+                self.spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
+            except ray.exceptions.RayActorError as e:
+                self._fail_over(type(e).__name__)
+            except (ray.exceptions.RayError, TimeoutError):
+                logger.warning("the router process did not answer within %.0fs", STOP_TIMEOUT_S)
+
+    def _fail_over(self, why: str) -> None:
+        if self._stopping.is_set():
+            return
+        started = time.monotonic()
+        logger.error("the router process died (%s); the standby takes over", why)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(self.router, no_restart=True)
+        standby, self._standby = self._standby, None
+        if standby is None:
+            standby = self._new_router(True)
+        try:
+            up = ray.get(standby.recover.remote(self.spec, self.ranks, self.spare), timeout=STOP_TIMEOUT_S)
+            pid = ray.get(standby.addresses.remote(), timeout=STOP_TIMEOUT_S)["pid"]
+        except (ray.exceptions.RayError, TimeoutError):
+            logger.exception("the standby router could not take over; trying a new one")
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(standby, no_restart=True)
+            return  # the next watch turn tries again
+        self.router, self.router_pid = standby, pid
+        self._standby = self._new_router(True)
+        logger.warning("a new router process serves, %.1fs after the death was seen (ranks up: %s)",
+                       time.monotonic() - started, up)
 
     def router_process(self) -> int:
         """The router's process id now (after a restart, a new one)."""
@@ -225,7 +250,7 @@ class RayDeployment:
             logger.warning("the router actor did not stop cleanly")
         leaving = [r.stop.remote(_left(deadline)) for r in self.ranks]  # engine stopped, group destroyed
         ray.wait(leaving, num_returns=len(leaving), timeout=_left(deadline))
-        actors = [*self.ranks, *([self.spare] if self.spare is not None else []), self.router]
+        actors = [*self.ranks, *(a for a in (self.spare, self._standby) if a is not None), self.router]
         for actor in actors:
             actor.__ray_terminate__.remote()  # a graceful exit, after the calls queued before it
         for actor in actors:

@@ -1,8 +1,8 @@
 """The router process as a Ray actor (RouterActor): cluster/router.py plus the rank actors as
-its Liveness. Ray restarts it when its process dies (RayDeployment starts it with
-max_restarts); the new process binds the same two ports, so the ranks' and the clients' sockets
-reconnect by themselves, and RayDeployment's watch hands it the rank actors again
-(RouterActor.recover): it asks each rank for its address and wave and serves on."""
+its Liveness. A second one waits as a standby (its imports done, no sockets bound); when the
+router's process dies, RayDeployment's watch hands the standby the rank actors
+(RouterActor.recover): it binds the same two ports, so the ranks' and the clients' sockets
+reconnect by themselves, asks each rank for its address and wave, and serves on."""
 
 from __future__ import annotations
 
@@ -27,14 +27,18 @@ class RouterActor:
     actor in the dead rank's bundle. It also serves the store the first DP group forms on."""
 
     def __init__(self, settings: RouterSection, host: str, key: ClusterKey | None = None,
-                 ports: tuple[int, int] = (0, 0)) -> None:
+                 ports: tuple[int, int] = (0, 0), standby: bool = False) -> None:
         from deepinfer_dp.cluster.router import Router
-        from deepinfer_dp.distributed.groups import serve_store
 
-        # `ports` (frontend, backend): fixed, so that a restarted router is where its peers
-        # already reconnect to.
-        self.router = Router(settings, host=host, key=key, ports=ports)
-        self.store = serve_store(host, settings.collective_timeout_s)
+        # `ports` (frontend, backend): fixed, so that a router taking over is where its peers
+        # already reconnect to. A standby binds them only when it takes over (recover).
+        self._make_router = lambda: Router(settings, host=host, key=key, ports=ports)
+        self.router = None if standby else self._make_router()
+        self.store = None  # the store the first DP group forms on (a standby's group has formed)
+        if not standby:
+            from deepinfer_dp.distributed.groups import serve_store  # torch: not in a standby
+
+            self.store = serve_store(host, settings.collective_timeout_s)
         self.actors: list = []
         self.infos: list[dict] = []
         self.spec: RankSpec | None = None
@@ -44,7 +48,8 @@ class RouterActor:
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
-                "store_port": self.store.port, "pid": os.getpid(), "router_id": self.router.router_id}
+                "store_port": self.store.port if self.store is not None else None, "pid": os.getpid(),
+                "router_id": self.router.router_id}
 
     def attach_ranks(self, spec: RankSpec, infos: list[dict], actors: list) -> None:
         self.spec, self.infos, self.actors = spec, list(infos), list(actors)
@@ -53,12 +58,8 @@ class RouterActor:
         with self._spare_lock:
             self._new_spare()
 
-    def attached(self) -> bool:
-        """False in a process Ray restarted, until recover() hands it the ranks."""
-        return self.spec is not None
-
     def recover(self, spec: RankSpec, actors: list, spare) -> list[bool]:
-        """This process replaces a router that died: the ranks (the actors the old one last
+        """This standby replaces a router that died: it binds the ports, and the ranks (the actors the old one last
         had) are asked where they serve and which wave they are at; those that answer are up,
         the others are killed, marked down and restarted as any dead rank. Their in-flight
         requests are not known here: the clients fail them (they see a new router_id) and the
@@ -73,6 +74,7 @@ class RouterActor:
                 ray.kill(actor, no_restart=True)
                 info = {"address": "", "pid": -1, "node_id": None, "wave": -1, "dp_rank": i}
             infos.append(info)
+        self.router = self._make_router()
         self.spec, self.infos, self.actors = spec, infos, list(actors)
         with self._spare_lock:
             self.spare = spare
@@ -109,7 +111,7 @@ class RouterActor:
         info = self.infos[dp_rank]
         if info["pid"] < 0:
             return False  # lost while the router restarted
-        if info.get("node_id") == ray.get_runtime_context().get_node_id() and not _process_exists(info["pid"]):
+        if info.get("node_id") == ray.get_runtime_context().get_node_id() and not process_exists(info["pid"]):
             return False  # on this node a dead process is seen at once, before Ray reports it
         try:
             return bool(ray.get(self.actors[dp_rank].ping.remote(), timeout=10))
@@ -156,7 +158,7 @@ class RouterActor:
 
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     """False once the process is gone or a zombie (killed, not yet reaped by the raylet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
