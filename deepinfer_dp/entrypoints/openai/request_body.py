@@ -54,6 +54,10 @@ def validate_body(model: type[Model], body: bytes, content_type: str | None) -> 
                 error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
                          "ctx": {"error": e.msg}}
                 raise RequestValidationError([error], body=body) from None
+            except UnicodeDecodeError as e:  # not UTF-8 text: a 400 as any malformed JSON, not a 500
+                error = {"type": "json_invalid", "loc": ("body", e.start), "msg": "JSON decode error", "input": {},
+                         "ctx": {"error": f"the body is not UTF-8 text ({e.reason} at byte {e.start})"}}
+                raise RequestValidationError([error], body=body) from None
     try:
         return model.model_validate(value)
     except ValidationError as e:

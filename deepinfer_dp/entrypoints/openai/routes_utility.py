@@ -9,7 +9,7 @@ the app.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
 from deepinfer_dp.entrypoints.openai.chat_template import TemplateError
+from deepinfer_dp.entrypoints.openai.openapi import truthful_openapi
 from deepinfer_dp.entrypoints.openai.protocol import ChatMessage, ChatTool, ErrorResponse, ModelCard, Text, _Request
 from deepinfer_dp.entrypoints.openai.serving_chat import _messages
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, bad_request
@@ -56,7 +57,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class DetokenizeResponse(BaseModel):
@@ -72,9 +73,11 @@ v1_router = APIRouter()
 
 
 def install(app: FastAPI, v1: APIRouter) -> None:
-    """Adds these routes to `app`; `v1` is the server's /v1 router (not yet included)."""
+    """Adds these routes to `app` (`v1`: the server's /v1 router, not yet included), and makes
+    /openapi.json tell the statuses and content types the server really answers."""
     v1.include_router(v1_router)
     app.include_router(router)
+    truthful_openapi(app)
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -121,7 +124,7 @@ async def _chat_ids(ctx: ServingContext, req: TokenizeChatRequest) -> list[int]:
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False),
                           ("add_special_tokens", False), ("chat_template", None), ("chat_template_kwargs", None),
                           ("mm_processor_kwargs", None)):
-        if getattr(req, name) != default:
+        if getattr(req, name) not in (default, {}):  # an empty mapping asks for nothing either
             raise bad_request(f"`{name}` is not supported by this server: it renders the model's own chat "
                               f"template with the generation prompt, as /v1/chat/completions does (got "
                               f"{getattr(req, name)!r})", name, "unsupported_parameter")
@@ -151,8 +154,8 @@ async def version() -> VersionResponse:
 
 
 # Plain `def`: a router client's health asks the ranks; FastAPI runs it in its thread pool.
-@router.get("/ping", responses={503: {"description": "No DP rank is up"}})
-@router.post("/ping", responses={503: {"description": "No DP rank is up"}})
+# One route for both methods, so that a 405 allows both; openapi.py documents each method.
+@router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
 def ping(request: Request) -> Response:
     """vLLM's (SageMaker's) liveness probe: an empty 200 while a rank is up, else 503."""
     up = any(rank.get("up") for rank in _ctx(request).client.health())

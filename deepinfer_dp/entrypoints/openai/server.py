@@ -70,7 +70,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        # its headers too: a 405 says which methods the route allows (Allow)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
