@@ -144,7 +144,8 @@ def test_garbage_and_forged_frames_on_every_port_change_nothing(tmp_path):
                               "--served-model-name", "tiny", env={"RAY_AUTH_MODE": "disabled"})
     try:
         procs = deployment_processes(proc.pid)
-        assert [len(procs[k]) for k in ("router", "api_server")] == [1, 2] and len(procs["rank"]) >= 2, procs
+        # the router (and its warm standby), the ranks (and the spare), the API servers
+        assert len(procs["router"]) >= 1 and len(procs["rank"]) >= 2 and len(procs["api_server"]) == 2, procs
         pids = sorted(q.pid for group in procs.values() for q in group)
         ports = zmq_ports([q for group in procs.values() for q in group])
         assert len(ports) == 2 + 2 + 2, ports  # the router's two, one per rank, one per API server
