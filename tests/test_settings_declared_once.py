@@ -33,9 +33,10 @@ LAUNCHERS = ["deepinfer_dp/cluster/dp_driver.py", "deepinfer_dp/cluster/ray_laun
              "deepinfer_dp/cluster/router.py", "deepinfer_dp/cluster/router_actor.py",
              "deepinfer_dp/entrypoints/llm.py", "deepinfer_dp/entrypoints/cli.py",
              "deepinfer_dp/entrypoints/openai/launcher.py", "deepinfer_dp/entrypoints/openai/api_servers.py",
+             "deepinfer_dp/cluster/membership.py", "deepinfer_dp/cluster/rank_actor.py",
              "launch/torchrun_generate.py"]
 # The router and Ray settings by their declared names, and the names they were passed under before.
-DP_SETTINGS = {*RouterSection.model_fields, *RaySection.model_fields, "strategy"}
+DP_SETTINGS = {*RouterSection.model_fields, *RaySection.model_fields, "strategy", "max_restarts", "spare"}
 TORCHRUN_OWN = {"-h", "--prompts-file", "--shard-sizes", "--max-tokens", "--output", "--fail-rank"}
 
 

@@ -64,7 +64,7 @@ class RankHandle:
 class Membership:
     def __init__(self, plane: DataPlane, lock: threading.RLock, waves: Waves, host: str,
                  collective_timeout_s: float, on_down: Callable[[RankHandle, str], None],
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int) -> None:
         self.ranks: list[RankHandle] = []
         self.liveness: Liveness | None = None
         self.group_failures = 0  # GroupBroken reports (a failed lockstep vote on some rank)

@@ -111,8 +111,8 @@ class RankSpec:
     gpus: int
     host: str
     timeout_s: float
-    key: ClusterKey | None = None
-    spare: bool = True  # keep a warm spare rank process (CPU ranks only, see create_spare)
+    key: ClusterKey | None  # None: data_plane_auth off
+    spare: bool  # keep a warm spare rank process (CPU ranks only, see create_spare): router.spare_rank
 
     def create(self, dp_rank: int):
         return ray.remote(RankActor).options(
