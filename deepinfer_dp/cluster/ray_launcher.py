@@ -277,17 +277,17 @@ def _private_instance_processes() -> list:
 
 
 def _reap(procs: list, deadline: float) -> None:
-    """Waits for `procs` to end until `deadline` (at least a second), then kills those left: a
+    """Waits for `procs` to end until `deadline` (at least half a second), then kills those left: a
     worker that Ray's shutdown left behind must not outlive the deployment."""
     import psutil
 
-    _, alive = psutil.wait_procs(procs, timeout=max(1.0, deadline - time.monotonic()))
+    _, alive = psutil.wait_procs(procs, timeout=max(0.5, deadline - time.monotonic()))
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             logger.warning("killing %s (pid %d), still running after the Ray instance stopped", proc.name(),
                            proc.pid)
             proc.kill()
-    psutil.wait_procs(alive, timeout=2.0)
+    psutil.wait_procs(alive, timeout=1.0)
 
 
 def _left(deadline: float) -> float:

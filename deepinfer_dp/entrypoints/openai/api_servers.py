@@ -27,10 +27,12 @@ import tempfile
 import threading
 import time
 
+from deepinfer_dp.entrypoints.openai.http_server import run_server
+
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # every API server loads its tokenizer and connects to the router
 EXIT_MARGIN_S = 4.0  # past an API server's drain and cancellation: the process's own exit
-CLUSTER_STOP_S = 5.0  # the router, the ranks and the private Ray instance
+CLUSTER_STOP_S = 4.0  # the router, the ranks and the private Ray instance
 MAX_REPLACEMENTS = 5
 REPLACEMENT_WINDOW_S = 60.0
 
@@ -149,7 +151,6 @@ def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, 
     from deepinfer_dp.cluster.data_plane import host_of
     from deepinfer_dp.cluster.dp_driver import connect
     from deepinfer_dp.entrypoints.openai.draining import exit_now
-    from deepinfer_dp.entrypoints.openai.launcher import run_server
 
     client = connect(frontend, rank_info, model, name[0], host_of(frontend), key)
     try:

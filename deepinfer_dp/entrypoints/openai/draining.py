@@ -29,7 +29,7 @@ from deepinfer_dp.engine.client import EngineClient, NoCapacity
 
 logger = logging.getLogger(__name__)
 DEFAULT_GRACE_S = ServerSection.model_fields["shutdown_grace_s"].default
-CANCEL_MARGIN_S = 2.0  # after the grace: for the failed requests' last events to be written
+CANCEL_MARGIN_S = 1.0  # after the grace: for the failed requests' last events to be written
 
 
 class DrainingServer(uvicorn.Server):
