@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
@@ -92,27 +92,49 @@ def host_of(address: str) -> str:
     return address.removeprefix("tcp://").rsplit(":", 1)[0]
 
 
-class _RoleAuthenticator(ThreadAuthenticator):
-    """The ZAP handler: a CURVE peer is admitted to a socket whose ZAP domain lists its role
-    ("rank", "client,router"...), and its frames carry the role as their User-Id."""
+class _ZapHandler:
+    """The ZAP handler of one context, on a thread of its own: a CURVE peer is admitted to a
+    socket whose ZAP domain lists its role ("rank", "client,router"...), and its frames carry
+    the role as their User-Id. A plain poll loop (pyzmq's ThreadAuthenticator runs an asyncio
+    poller whose stop() could wait forever, an API server then killed at its exit deadline)."""
 
     def __init__(self, ctx: zmq.Context, key: ClusterKey, plane: DataPlane) -> None:
-        super().__init__(ctx)
         self._key, self._plane = key, plane
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.linger = 0
+        self._sock.bind("inproc://zeromq.zap.01")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="data-plane-zap", daemon=True)
+        self._thread.start()
 
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        role = self._key.role_of(client_key)
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            msg = self._sock.recv_multipart()
+            version, request_id = (msg + [b"", b""])[:2]
+            role = self._admit(msg)
+            self._sock.send_multipart([version, request_id, b"200" if role else b"400",
+                                       b"OK" if role else b"refused", (role or "").encode(), b""])
+
+    def _admit(self, msg: list[bytes]) -> str | None:
+        """The peer's role if it may connect to the socket, else None (counted and logged)."""
+        domain = msg[2].decode(errors="replace") if len(msg) > 2 else ""
+        curve = len(msg) >= 7 and msg[5] == b"CURVE"
+        role = self._key.role_of(z85.encode(msg[6])) if curve else None
         if role is not None and role in domain.split(","):
-            return True
+            return role
         self._plane.refused += 1
         if self._plane.refused & (self._plane.refused - 1) == 0:  # 1, 2, 4, 8...: bounded logs
             logger.warning("data plane: refused a peer (%s) on a socket for %s; %d refused so far",
                            f"the {role} key" if role else "no key of this deployment", domain,
                            self._plane.refused)
-        return False
+        return None
 
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        return self._key.role_of(z85.encode(client_public_key)) or ""
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
 
 
 class DataPlane:
@@ -122,12 +144,10 @@ class DataPlane:
         self.key, self.role = key, role
         self.ctx = zmq.Context()
         self.refused = 0  # handshakes refused by the ZAP handler
-        self._auth: _RoleAuthenticator | None = None
-        self._domains: set[str] = set()
+        self._auth: _ZapHandler | None = None
         if key is not None:
             key.pair(role)  # fails now, not at the first socket, if the role's key is missing
-            self._auth = _RoleAuthenticator(self.ctx, key, self)
-            self._auth.start()
+            self._auth = _ZapHandler(self.ctx, key, self)
 
     @property
     def authenticated(self) -> bool:
@@ -139,11 +159,7 @@ class DataPlane:
         value) set first."""
         sock = self._socket(kind, options)
         if self._auth is not None:
-            domain = ",".join(sorted(admit))
-            if domain not in self._domains:
-                self._domains.add(domain)
-                self._auth.configure_curve_callback(domain, self._auth)
-            sock.zap_domain = domain.encode()
+            sock.zap_domain = ",".join(sorted(admit)).encode()
             sock.curve_server = True
             sock.curve_secretkey = self.key.pair(self.role)[1]
         if port:
