@@ -53,7 +53,16 @@ def test_sigterm_under_streams(tiny_model_dir, tmp_path, target, streams):
         assert not any(t.is_alive() for t in threads), "a stream hangs"
         for r in results:  # complete, or ended by an error event that says why
             assert r.done and (r.error is None or "shutting down" in r.error), r
-        assert still_running(started) == []
+        _assert_gone(started, log)
+
+
+def _assert_gone(procs: list[psutil.Process], log) -> None:
+    """Every process the server started has ended (a process killed at the end of the stop
+    may need a moment to be torn down by the kernel on a loaded machine)."""
+    deadline = time.monotonic() + 5.0
+    while still_running(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert still_running(procs) == [], log.read_text()[-3000:]
 
 
 def test_api_server_sigkill_is_replaced(tiny_model_dir, tmp_path):
