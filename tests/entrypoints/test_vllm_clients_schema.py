@@ -46,13 +46,13 @@ def test_405_says_which_methods_are_allowed(server, method, path, allow):
     assert r.json()["error"]["message"]
 
 
-def test_schemathesis_finds_nothing(server):
+def test_schemathesis_finds_nothing(server, tmp_path):
     """Every check, a bounded number of examples per route (about a minute here). The response
     time limit only catches a hang (schemathesis's 10 s default fails on a loaded machine, and
     the first grammar build imports llguidance's torch helpers, seconds once)."""
     run = subprocess.run([str(ST), "--config-file", str(CONFIG), "run", server.url + "/openapi.json",
                           "--checks", "all", "--max-response-time", "120", "--request-timeout", "120",
                           "--max-examples", "10", "--generation-deterministic", "--no-color"],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its cache dir goes there
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert httpx.get(server.url + "/health").status_code == 200
