@@ -26,11 +26,8 @@ from import_graph import (
 # the model registry's lazy import of the family a checkpoint needs is its job.
 DYNAMIC_IMPORTS_ALLOWED = {f"{PACKAGE}.models.registry"}
 
-# TODO(lead): remove this exception. api_servers.py and launcher.py import each other inside
-# functions (run_server / run_api_servers); they were being rewritten for process resilience
-# while this test was written. It is the only circle excused, and test_no_import_circles
-# fails once it is gone, so that this entry goes with it.
-KNOWN_CIRCLES = [frozenset({f"{PACKAGE}.entrypoints.openai.api_servers", f"{PACKAGE}.entrypoints.openai.launcher"})]
+# Circles excused by name (none): an entry here must name a circle that still exists.
+KNOWN_CIRCLES: list[frozenset[str]] = []
 
 
 def _describe(imp: Import, layering: Layering) -> str:
