@@ -56,6 +56,7 @@ class RankHandle:
     inflight: set[str] = field(default_factory=set)
     woken_wave: int = -1  # the latest wave this rank was sent a Wake for
     down_reason: str = ""
+    last_step: float = 0.0  # monotonic time of its latest step report (Deltas, StartWave, WaveDone)
 
     def send(self, msg) -> None:
         self.socket.send(p.encoder.encode(msg))
@@ -77,6 +78,7 @@ class Membership:
         self._reform_wave = -1  # GroupBroken from before the latest re-form is already handled
         self.max_restarts = max_restarts
         self.restarts: dict[int, int] = {}  # dp_rank -> restarts started
+        self.busy_since = 0.0  # when the group last went from no request in flight to some
         self._restarting: set[int] = set()
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
@@ -102,8 +104,24 @@ class Membership:
     def health(self) -> list[dict]:
         # "restarts": a rank replaced by the warm spare can be down for well under a second,
         # less than a poll of "up" sees; the count records that it happened.
+        # "step_age_s": while any request is in flight every rank that is up must step (the
+        # lockstep: one rank's work keeps the whole group in its wave), so this is how long
+        # the rank has gone without a step report since then; None when the group is idle.
+        now, busy = time.monotonic(), any(r.inflight for r in self.ranks if r.up)
         return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason,
-                 "restarts": self.restarts.get(r.dp_rank, 0)} for r in self.ranks]
+                 "restarts": self.restarts.get(r.dp_rank, 0),
+                 "step_age_s": round(now - max(r.last_step, self.busy_since), 3) if busy and r.up else None}
+                for r in self.ranks]
+
+    def work_arrives(self) -> None:
+        """A request is about to be sent to a rank: an idle group's stall clock starts now."""
+        if not any(r.inflight for r in self.ranks if r.up):
+            self.busy_since = time.monotonic()
+
+    def stepped(self, dp_rank: int) -> None:
+        """Rank `dp_rank` reported a step (or entered or left a wave)."""
+        if 0 <= dp_rank < len(self.ranks):
+            self.ranks[dp_rank].last_step = time.monotonic()
 
     # ---- failures ------------------------------------------------------------------------
     def group_broken(self, msg: p.GroupBroken) -> bool:

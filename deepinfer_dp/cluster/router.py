@@ -167,6 +167,7 @@ class Router:
             return
         load = {r.dp_rank: len(r.inflight) for r in up}
         rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load)]
+        self.membership.work_arrives()
         self._requests[rid] = (msg.client_id, rank.dp_rank)
         client.requests.add(rid)
         rank.inflight.add(rid)
@@ -186,6 +187,8 @@ class Router:
     # ---- from the ranks ----------------------------------------------------------------------
     def _on_rank_message(self, msg, raw: bytes) -> None:
         ranks = self.membership.ranks
+        if isinstance(msg, (p.Deltas, p.StartWave, p.WaveDone)):
+            self.membership.stepped(msg.dp_rank)  # /health's stall check
         if isinstance(msg, p.Deltas):
             self._deliver(msg, raw)
         elif isinstance(msg, p.StartWave):
