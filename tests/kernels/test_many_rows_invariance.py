@@ -91,3 +91,26 @@ def test_avx2_and_avx512_give_the_same_floats_at_many_rows(fmt, tmp_path):
     env = {**os.environ, "DEEPINFER_DP_PACKED_AVX512": "0"}
     subprocess.run([sys.executable, "-c", AVX2_ONLY, fmt, str(K), *map(str, paths)], env=env, check=True, timeout=300)
     assert np.array_equal(np.load(paths[3]), product(fmt, w, x, bias, 2))
+
+
+def test_layers_take_the_kernels_in_batch_invariant_steps():
+    """Past their row limits the linear modules use torch's GEMMs, except in a batch-invariant
+    step (the runner's thread plan with batch_invariant), where they give the kernels' floats."""
+    from torch import nn
+
+    from deepinfer_dp.layers import cpu_threads
+    from deepinfer_dp.layers.linear import KERNEL_MAX_ROWS, CpuLinear
+    from deepinfer_dp.layers.packed import PackedLinear, PackedWeight
+
+    x, _ = inputs()
+    dense = nn.Linear(K, N, bias=False)
+    layers = {"q4_1": PackedLinear(PackedWeight(weight("q4_1"), "q4_1", K)), "f32": CpuLinear(dense)}
+    arrays = {"q4_1": weight("q4_1"), "f32": dense.weight.detach().numpy()}
+    rows = 600  # past both KERNEL_MAX_ROWS (512 packed, 64 fp32)
+    assert rows > KERNEL_MAX_ROWS
+    for fmt, layer in layers.items():
+        with cpu_threads.narrow_step(2, rows, invariant=True):
+            assert cpu_threads.batch_invariant()
+            got = layer(torch.from_numpy(x[:rows])).detach().numpy()
+        assert not cpu_threads.batch_invariant()
+        assert np.array_equal(got, product(fmt, arrays[fmt], x[:rows].copy(), None, 1)), fmt
