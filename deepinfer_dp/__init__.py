@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
+from deepinfer_dp.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from deepinfer_dp.entrypoints.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
-from deepinfer_dp.spec_decode.config import check_speculative_config
+from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -70,10 +70,14 @@ class EngineConfig:
                                                     "batch (all products and attention in the C++ kernels)")
     packed_weights: bool = Field(True, description="fp32 on the CPU: GGUF Q4_0/Q4_1/Q8_0 and bf16 matrices "
                                                    "stay packed, widened inside the kernels")
-    speculative_config: Annotated[dict[str, Any] | None, AfterValidator(check_speculative_config)] = Field(
+    speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(parse_speculative_config)] = Field(
         None, description='speculative decoding, vLLM\'s keys, e.g. {"method": "ngram", '
                           '"num_speculative_tokens": 3} (JSON on the command line)')
     seed: int = Field(0, description="seed of the global RNG (requests without their own seed)")
+    generation_config: str = Field(
+        "auto", min_length=1, description='sampling defaults of requests that leave fields unset: "auto" (the '
+                                          'model\'s generation_config.json), "vllm" (neutral ones) or a folder '
+                                          'holding a generation_config.json')
     torch_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: "
                                                               "$DEEPINFER_DP_TORCH_THREADS or torch's)")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks")

@@ -18,6 +18,7 @@ import json
 import os
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,10 +45,13 @@ class RouterSection(_Section):
     max_rank_restarts: int = Field(3, ge=0, description="times a dead DP rank is restarted (a new process "
                                                         "that rejoins the group); 0: it stays down")
     data_plane_auth: Literal["auto", "on", "off"] = Field(
-        "auto", description="CURVE authentication and encryption of the router/rank sockets; auto: on "
-                            "when they bind an address other than loopback")
+        "auto", description="CURVE authentication and encryption of every data-plane socket, loopback "
+                            "included (auto and on are the same); off is unsafe: any local process can "
+                            "then drive the cluster and stop its ranks")
     spare_rank: bool = Field(True, description="keep one idle rank process with its imports done (CPU "
                                                "ranks), so that a dead rank is replaced faster")
+    data_plane_host: str = Field("127.0.0.1", min_length=1, description="the address the router's and the "
+                                 "ranks' ZeroMQ sockets bind (across nodes: one the other nodes reach)")
 
 
 class RaySection(_Section):
@@ -59,9 +63,16 @@ class RaySection(_Section):
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="the HTTP server's address")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP server's port")
-    api_key: str | None = Field(None, description="require this bearer token on /v1")
+    api_key: str | None = Field(None, description="require this bearer token on /v1 (visible in the process "
+                                                  "list: prefer --api-key-file or DEEPINFER_DP_API_KEY)")
+    api_key_file: str | None = Field(None, description="read the bearer token required on /v1 from this file "
+                                                       "(its first line)")
+    served_model_name: list[str] | None = Field(None, description="the names clients may send as `model`, several "
+                                                "allowed (default: the model argument as given)")
     api_server_count: int = Field(1, ge=1, description="API server processes sharing the port (more than "
                                                        "one serves through the router process)")
+    shutdown_grace_s: float = Field(3.0, ge=0, description="on SIGTERM/SIGINT, how long requests in flight may "
+                                                           "finish before they end with an error")
     # Bounds on requests (see entrypoints/openai/admission.py): 413 / 400 / 503 past them.
     max_request_body_bytes: int = Field(16 * 2**20, ge=1024, description="larger request bodies get 413")
     max_n: int = Field(128, ge=1, description="most choices (n) in one request")
@@ -74,18 +85,69 @@ class ServerSection(_Section):
                                                              "tools): read tool calls out of free text")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="the format the model writes tool calls "
                                                 "in: hermes = <tool_call>{...}</tool_call> (Qwen2.5/Qwen3, Hermes)")
+    # Slow clients and frozen ranks (see entrypoints/openai/http_protocol.py and /health).
+    request_read_timeout_s: float = Field(10.0, gt=0, description="a request's headers and body must arrive "
+                                          "within this time of its first byte; else 408 and the connection closes")
+    timeout_keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    stall_timeout_s: float = Field(5.0, gt=0, description="/health reports a DP rank stalled (503) when it has work "
+                                   "and has finished no step for this long")
 
-    def limits(self):
-        from deepinfer_dp.entrypoints.openai.admission import ServerLimits
-
+    def limits(self) -> ServerLimits:
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
                             self.chat_special_tokens_as_text,
-                            self.tool_call_parser if self.enable_auto_tool_choice else None)
+                            self.tool_call_parser if self.enable_auto_tool_choice else None,
+                            self.request_read_timeout_s, self.timeout_keep_alive_s, self.stall_timeout_s)
+
+
+# The server section as the HTTP front reads it (entrypoints/openai/admission.py enforces it):
+# declared here, with the section, so that the declarations import nothing above them. Its
+# defaults are the section's.
+def _server_default(name: str) -> Any:
+    return ServerSection.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = _server_default("max_request_body_bytes")
+    max_n: int = _server_default("max_n")
+    max_prompts: int = _server_default("max_prompts")  # prompts in one completions request
+    max_waiting_requests: int = _server_default("max_waiting_requests")  # admitted, not yet at their first token
+    chat_special_tokens_as_text: bool = _server_default("chat_special_tokens_as_text")
+    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
+    request_read_timeout_s: float = _server_default("request_read_timeout_s")  # else 408
+    timeout_keep_alive_s: float = _server_default("timeout_keep_alive_s")
+    stall_timeout_s: float = _server_default("stall_timeout_s")
 
 
 class MetricsSection(_Section):
     port: int | None = Field(None, ge=0, le=65535, description="a separate Prometheus port (default: "
                                                                "/metrics on the server's port only)")
+
+
+class DPSettings(_Section):
+    """A Ray DP deployment's router and Ray sections, as the launchers take them (RayDeployment,
+    DPDriver, LLM(dp_options=...), make_dp_client): the declared sections themselves."""
+    router: RouterSection = RouterSection()
+    ray: RaySection = RaySection()
+
+    @classmethod
+    def of(cls, options: DPSettings | dict[str, Any] | None) -> DPSettings:
+        """The settings, or a flat dict of the sections' own field names as LLM(dp_options=...)
+        takes it ({"policy": "least_loaded", "max_rank_restarts": 0}); a ValueError names an
+        unknown key or a bad value."""
+        if isinstance(options, DPSettings):
+            return options
+        parts: dict[str, dict[str, Any]] = {"router": {}, "ray": {}}
+        for key, value in (options or {}).items():
+            section = next((name for name in parts if key in cls.model_fields[name].annotation.model_fields), None)
+            if section is None:
+                known = [k for name in parts for k in cls.model_fields[name].annotation.model_fields]
+                raise ValueError(f"dp_options: unknown option {key!r} (known: {', '.join(known)})")
+            parts[section][key] = value
+        try:
+            return cls.model_validate(parts)
+        except ValidationError as e:
+            raise ValueError("invalid dp_options: " + describe_errors(e)) from None
 
 
 # section -> (its model, the prefix of its flags)
@@ -116,13 +178,9 @@ class _DeploymentBase(_Section):
         """The engine options as LLM(...) keywords, the model and dp_size left out."""
         return {k: getattr(self, k) for k in engine_fields() if k not in ("model", "dp_size")}
 
-    def dp_options(self) -> dict[str, Any]:
-        """Keywords for LLM(dp_options=...) when dp_size > 1 under Ray."""
-        return {"policy": self.router.policy, "address": self.ray.address,
-                "strategy": self.ray.placement_strategy,
-                "collective_timeout_s": self.router.collective_timeout_s,
-                "max_rank_restarts": self.router.max_rank_restarts,
-                "data_plane_auth": self.router.data_plane_auth, "spare_rank": self.router.spare_rank}
+    def dp_settings(self) -> DPSettings:
+        """The router and Ray sections, for LLM(dp_options=...) when dp_size > 1 under Ray."""
+        return DPSettings(router=self.router, ray=self.ray)
 
 
 DeploymentConfig = create_model(
@@ -196,19 +254,43 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment (a --config file, overridden by these flags)")
     g.add_argument("--config", default=None, help="YAML deployment config (see configs/)")
     for flag, key, f in _options():
-        kind = _scalar_type(f.annotation)
-        default = "" if f.default is None else f" (default: {f.default})"
-        if kind is dict:  # a mapping option: one JSON object on the command line
-            g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
-                           help=f"{f.description}{default}")
-        elif kind is bool:
-            g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{f.description}{default}")
-        else:  # values are checked by the config's validation, the same as a file's
-            choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
-            metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
-            g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
-                           help=f"{f.description}{default}")
+        _add_flag(g, flag, key, f)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig option but `exclude`, the same flags as deepinfer-dp's, for a
+    launcher that takes no deployment file (launch/torchrun_generate.py); engine_options_of
+    reads them back."""
+    g = parser.add_argument_group("engine (EngineConfig options, deepinfer_dp/config.py)")
+    for name, f in engine_fields().items():
+        if name not in exclude:
+            _add_flag(g, "--" + name.replace("_", "-"), name, f)
+
+
+def engine_options_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (add_engine_args); the others are left
+    out, so EngineConfig's defaults apply."""
+    return {name: getattr(args, _dest(name)) for name in engine_fields()
+            if getattr(args, _dest(name), None) is not None}
+
+
+def _add_flag(g: argparse._ArgumentGroup, flag: str, key: str, f: FieldInfo) -> None:
+    """The flag of one option; it defaults to None (not given), its help shows the declared default."""
+    kind = _scalar_type(f.annotation)
+    default = "" if f.default is None else f" (default: {f.default})"
+    if kind is dict or issubclass(kind, BaseModel):  # a mapping option: one JSON object on the command line
+        g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
+                       help=f"{f.description}{default}")
+    elif kind is list:  # several values: --served-model-name a b
+        g.add_argument(flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
+    elif kind is bool:
+        g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{f.description}{default}")
+    else:  # values are checked by the config's validation, the same as a file's
+        choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
+        metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
+        g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
+                       help=f"{f.description}{default}")
 
 
 def _json_object(text: str) -> dict:

@@ -1,8 +1,11 @@
 """Per-request sampling parameters, with vLLM's names, defaults and ranges.
 
-Validation happens once, at construction: the engine and the sampler trust a
-`SamplingParams` that exists. Every bad value raises `ValueError` naming the
-field and the range it must lie in, so a client sees what to fix.
+A `SamplingParams` is plain data: constructing or changing one checks nothing. Validation
+happens once per request, where it enters an engine: `InputProcessor.process`
+(engine/input_processor.py) calls `verify()` and checks what needs the model (vocabulary,
+context); everything after it trusts the request. Every bad value raises `InvalidRequest`
+(a ValueError) whose `param` names the field, with the range it must lie in in the message,
+so a client sees what to fix. Call `verify()` yourself to check params before submitting them.
 """
 
 import copy
@@ -20,6 +23,19 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 # What torch.Generator.manual_seed accepts (int64 for OpenAI's seed, and uint64), and msgspec can carry.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Counts the C++ scheduler and the sampler's tensors hold as 32-bit ints (max_tokens, top_k, ...).
+INT32_MAX = 2**31 - 1
+# The one default of max_tokens (vLLM's and OpenAI's completions default); the C++ side has none.
+DEFAULT_MAX_TOKENS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run; `param` names the request field at fault (None: the
+    request as a whole). The one error type of request validation: no caller parses messages."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -32,7 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16  # None: until the context is full
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: until the context is full
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -46,22 +62,25 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
-        # Normalize first so the rest of the engine sees plain lists.
+        # Normalize only (plain lists and dicts, copied); what is not a sequence is left for
+        # verify() to name.
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if self.logit_bias is not None:
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
         if isinstance(self.structured_outputs, dict):  # from the wire (dataclasses.asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        self.verify()
 
     def verify(self) -> None:
-        """Raise ValueError for the first field outside its allowed range."""
+        """Raise InvalidRequest, naming the field, for the first one outside its allowed range."""
         _check_number("temperature", self.temperature)
         if self.temperature < 0.0:
             _fail("temperature", "must be >= 0", self.temperature)
@@ -69,8 +88,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", "must be in (0, 1]", self.top_p)
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            _fail("top_k", "must be -1 or 0 (off) or >= 1", self.top_k)
+        if not -1 <= self.top_k <= INT32_MAX:
+            _fail("top_k", f"must be -1 or 0 (off) or in [1, {INT32_MAX}]", self.top_k)
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", "must be in [0, 1]", self.min_p)
@@ -97,17 +116,17 @@ class SamplingParams:
         self._verify_logit_bias()
         self._verify_structured_outputs()
         _check_int("n", self.n)
-        if self.n < 1:
-            _fail("n", "must be >= 1", self.n)
+        if not 1 <= self.n <= INT32_MAX:
+            _fail("n", f"must be in [1, {INT32_MAX}]", self.n)
 
     def _verify_lengths(self) -> None:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                _fail("max_tokens", "must be None or >= 1", self.max_tokens)
+            if not 1 <= self.max_tokens <= INT32_MAX:
+                _fail("max_tokens", f"must be None or in [1, {INT32_MAX}]", self.max_tokens)
         _check_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            _fail("min_tokens", "must be >= 0", self.min_tokens)
+        if not 0 <= self.min_tokens <= INT32_MAX:
+            _fail("min_tokens", f"must be in [0, {INT32_MAX}]", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail(
                 "min_tokens",
@@ -116,6 +135,10 @@ class SamplingParams:
             )
 
     def _verify_stops(self) -> None:
+        if not isinstance(self.stop, list):
+            _fail("stop", "must be a string or a list of strings", self.stop)
+        if not isinstance(self.stop_token_ids, list):
+            _fail("stop_token_ids", "must be a list of integers", self.stop_token_ids)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", "must hold non-empty strings only", s)
@@ -124,6 +147,8 @@ class SamplingParams:
                 _fail("stop_token_ids", "must hold integers >= 0 only", t)
 
     def _verify_logit_bias(self) -> None:
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 _fail("logit_bias", "keys must be token ids (integers >= 0)", token)
@@ -137,7 +162,10 @@ class SamplingParams:
             return
         if not isinstance(so, StructuredOutputsParams):
             _fail("structured_outputs", "must be StructuredOutputsParams", type(so).__name__)
-        so.verify()
+        try:
+            so.verify()
+        except ValueError as e:
+            raise InvalidRequest(str(e), "structured_outputs") from None
         if self.ignore_eos:  # a finished grammar allows only EOS: ignoring it leaves no valid token
             _fail("structured_outputs", "cannot be combined with ignore_eos", True)
 
@@ -165,14 +193,26 @@ class SamplingParams:
 
 
 def _fail(name: str, rule: str, value: object) -> None:
-    raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+    raise InvalidRequest(f"{name} {rule}, got {_shown(value)}", name)
+
+
+def _shown(value: object) -> str:
+    """The value for a message, short: a client may send an integer of thousands of digits
+    (whose str() Python refuses past 4300) or a huge list."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(name, "must be a number", value)
-    if math.isnan(value):  # NaN passes every range comparison, so reject it here
-        _fail(name, "must not be NaN", value)
+    if isinstance(value, int):
+        if abs(value) > 2**128:  # float() of it would overflow; no range here reaches it
+            _fail(name, "is out of range", value)
+    elif not math.isfinite(value):  # NaN passes every range comparison, so reject it here
+        _fail(name, "must be a finite number", value)
 
 
 def _check_int(name: str, value: object) -> None:

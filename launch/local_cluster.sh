@@ -5,7 +5,9 @@
 #   launch/local_cluster.sh [DP_SIZE] [MODEL]      (MODEL: HF dir or .gguf; default SmolLM2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DP_SIZE="${1:-2}" MODEL="${2:-}" exec python - <<'PY'
+# The project's venv (launch/setup.sh) unless PYTHON names another interpreter.
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+DP_SIZE="${1:-2}" MODEL="${2:-}" exec "$PY" - <<'PY'
 import os
 
 from deepinfer_dp import LLM, SamplingParams

@@ -5,7 +5,9 @@
 #   API_SERVERS=2 launch/serve_cluster.sh configs/smollm2_dp2.yaml --port 8000
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The project's venv (launch/setup.sh) unless PYTHON names another interpreter.
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 CONFIG="${1:-configs/smollm2_dp2.yaml}"
 shift || true
-exec python -m deepinfer_dp.entrypoints.openai.launcher --config "$CONFIG" \
+exec "$PY" -m deepinfer_dp.entrypoints.openai.launcher --config "$CONFIG" \
   --api-server-count "${API_SERVERS:-2}" "$@"

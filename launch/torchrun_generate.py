@@ -1,5 +1,6 @@
 """Offline DP under torchrun: each process is one rank, generates its shard of the prompts,
-and rank 0 prints every result in prompt order plus every rank's step counters.
+and rank 0 prints every result in prompt order plus every rank's step counters. The engine
+options are deepinfer-dp's own flags (one per EngineConfig option, the same defaults).
 
     torchrun --nproc-per-node 2 launch/torchrun_generate.py --max-tokens 32
     torchrun --nproc-per-node 2 launch/torchrun_generate.py --model /path/to/hf_dir \
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 
+from deepinfer_dp.config_file import add_engine_args, engine_options_of
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -28,35 +30,23 @@ DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Write a hai
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF directory or .gguf; default SmolLM2-135M-Instruct")
     ap.add_argument("--prompts-file", help="one prompt per line; default: eight built-in prompts")
     ap.add_argument("--shard-sizes", help="e.g. 7,1: rank r takes the next size[r] prompts "
                     "(a rank may take none); default strided: rank r takes prompts r, r+N, ...")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of a step (chunked prefill)")
-    ap.add_argument("--torch-threads", type=int, default=1)
-    ap.add_argument("--device", default="auto", help="auto: each rank its own GPU (cuda:LOCAL_RANK) or the CPU")
-    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
-    ap.add_argument("--enable-expert-parallel", action="store_true",
-                    help="MoE models: each rank holds 1/N of the routed experts")
-    ap.add_argument("--all2all-backend", default="all_to_all", help="all_to_all or allgather_reducescatter")
-    ap.add_argument("--speculative-config", type=json.loads, default=None,
-                    help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (greedy)")
     ap.add_argument("--output", help="rank 0 writes {token_ids, rank_stats} as JSON here")
     ap.add_argument("--fail-rank", type=int, default=None, help="fault drill: this rank's process dies "
                     "on the first attempt (TORCHELASTIC_RESTART_COUNT 0) after joining the group")
+    add_engine_args(ap, exclude=("dp_size",))  # the world size is torchrun's --nproc-per-node
     args = ap.parse_args()
     prompts = DEFAULT_PROMPTS
     if args.prompts_file:
         with open(args.prompts_file) as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
-    llm = LLM(args.model, decode_sequence=False, torch_threads=args.torch_threads, device=args.device,
-              dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend,
-              speculative_config=args.speculative_config)
+    options = engine_options_of(args)
+    if "torch_threads" not in options:  # ranks sharing the cores must not oversubscribe them
+        options["torch_threads"] = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    llm = LLM(decode_sequence=False, **options)
     if llm.dp is None:
         raise SystemExit("run this under torchrun with --nproc-per-node 2 or more (see the docstring)")
     rank, world = llm.dp.dp_rank, llm.dp.dp_size

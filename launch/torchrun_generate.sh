@@ -3,5 +3,7 @@
 #   launch/torchrun_generate.sh [extra args of launch/torchrun_generate.py]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The project's venv (launch/setup.sh) unless PYTHON names another interpreter.
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 NPROC="${NPROC:-2}"
-exec torchrun --standalone --nproc-per-node "$NPROC" launch/torchrun_generate.py "$@"
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" launch/torchrun_generate.py "$@"

@@ -21,6 +21,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_dir(tiny_model_dir) -> str:
+    """The same tiny Llama as a str, as the server helpers and command lines take it."""
+    return str(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.getbasetemp()
     kinds = ("llama-gqa", "llama-tied", "qwen2-bias", "qwen3-qknorm")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from deepinfer_dp.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Eight prompts of different lengths; max_num_seqs=2 makes a busy rank take many steps.
 PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.",
@@ -13,10 +20,38 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about
 MAX_TOKENS = 8
 ENGINE = dict(num_kv_blocks=64, max_num_seqs=2, torch_threads=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+# The expert-parallel tests' engine: a 12-token step budget, so that longer prompts are
+# prefilled in chunks, beside other sequences.
+EP_ENGINE = {**ENGINE, "max_num_batched_tokens": 12}
 
 
 def token_ids(results) -> list[list[int]]:
     return [[t for o in outs for t in o.token_ids] for outs in results]
+
+
+def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: str = "all_to_all",
+               extra_args: tuple[str, ...] = (), env: dict | None = None,
+               timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """launch/torchrun_generate.py in 2 processes with expert parallelism and EP_ENGINE's
+    options over PROMPTS (written beside `out`), its JSON results in `out`; past `timeout_s`
+    its whole process group is killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
+           "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
+           "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
+           "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]), "--enable-expert-parallel",
+           "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")),
+           *extra_args]
+    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def submit_all(router, prefix: str, num: int, params: SamplingParams, prompt: list[int]) -> dict[str, queue.Queue]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from deepinfer_dp import _C
+from deepinfer_dp.sampling_params import DEFAULT_MAX_TOKENS
 
 
 class FakeModel:
@@ -55,6 +56,7 @@ def make_scheduler(**kw) -> _C.Scheduler:
 
 
 def add(sched: _C.Scheduler, rid: str, prompt: list[int], **limits) -> None:
+    limits = {"max_tokens": DEFAULT_MAX_TOKENS, **limits}  # the C++ side has no default
     sched.add_sequence(_C.Sequence(rid, prompt, _C.SequenceLimits(**limits)))
 
 

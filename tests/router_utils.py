@@ -10,7 +10,7 @@ import time
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, ClusterKey, DataPlane
 from deepinfer_dp.engine.client import TokenDelta
 
 
@@ -25,10 +25,10 @@ class FakeRank:
         self.hold = False
         self.mute = False
         self.received: queue.Queue = queue.Queue()
-        self._plane = DataPlane(key)
-        self._inbox = self._plane.bound(zmq.PULL, "127.0.0.1")
+        self._plane = DataPlane(key, RANK)
+        self._inbox = self._plane.bound(zmq.PULL, "127.0.0.1", (ROUTER,))
         self.address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._outbox = self._plane.connected(zmq.PUSH, backend)
+        self._outbox = self._plane.connected(zmq.PUSH, backend, ROUTER)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

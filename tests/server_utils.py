@@ -33,7 +33,7 @@ def served(model_dir: str, api_key: str | None = None, dp_size: int = 1, limits=
     fixture); `limits` is a ServerLimits. Everything is stopped after."""
     options = {**ENGINE_OPTIONS, **options}
     if dp_size > 1:
-        client = make_dp_client(model_dir, dp_size, MODEL_NAME, "round_robin", **options)
+        client = make_dp_client(model_dir, dp_size, MODEL_NAME, **options)
     else:
         client = make_local_client(model_dir, MODEL_NAME, **options)
     server = ServerThread(client, MODEL_NAME, api_key, limits=limits).start()

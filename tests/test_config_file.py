@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_dp.config_file import ConfigError, add_config_args, load_config, load_config_file
+from deepinfer_dp.config_file import (
+    ConfigError,
+    DPSettings,
+    RaySection,
+    RouterSection,
+    add_config_args,
+    load_config,
+    load_config_file,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -22,12 +30,23 @@ def test_shipped_configs_load(name):
     assert engine.dp_size == cfg.dp_size and engine.block_size == cfg.block_size
 
 
-def test_dp2_config_becomes_engine_config_and_dp_options():
+def test_dp2_config_becomes_engine_config_and_dp_settings():
     cfg = load_config_file(CONFIGS / "smollm2_dp2.yaml")
     assert cfg.engine_config().torch_threads == 1
-    assert cfg.dp_options() == {"policy": "least_loaded", "address": "local", "strategy": "pack",
-                                "collective_timeout_s": 30.0, "max_rank_restarts": 3,
-                                "data_plane_auth": "auto", "spare_rank": True}
+    settings = cfg.dp_settings()
+    assert settings.router is cfg.router and settings.ray is cfg.ray  # the sections themselves, no copies
+    assert settings.router.policy == "least_loaded" and settings.router.max_rank_restarts == 3
+
+
+def test_dp_options_dict_uses_the_sections_own_names():
+    settings = DPSettings.of({"policy": "least_loaded", "placement_strategy": "spread", "max_rank_restarts": 0})
+    assert settings == DPSettings(router=RouterSection(policy="least_loaded", max_rank_restarts=0),
+                                  ray=RaySection(placement_strategy="spread"))
+    assert DPSettings.of(None) == DPSettings() and DPSettings.of(settings) is settings
+    with pytest.raises(ValueError, match="unknown option 'strategy'"):
+        DPSettings.of({"strategy": "spread"})
+    with pytest.raises(ValueError, match="router.collective_timeout_s"):
+        DPSettings.of({"collective_timeout_s": -1})
 
 
 def _write(tmp_path: Path, text: str) -> Path:

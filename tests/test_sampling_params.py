@@ -1,6 +1,12 @@
 import pytest
 
-from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.sampling_params import INT32_MAX, InvalidRequest, SamplingParams
+
+
+def checked(**kwargs) -> SamplingParams:
+    params = SamplingParams(**kwargs)
+    params.verify()
+    return params
 
 
 def test_defaults_match_vllm():
@@ -69,29 +75,30 @@ def test_stop_token_ids_normalized_and_copied():
     ],
 )
 def test_bad_value_names_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**{field: value})
+    with pytest.raises(InvalidRequest, match=field) as e:
+        checked(**{field: value})
+    assert e.value.param == field
 
 
 def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match=r"min_tokens.*max_tokens"):
-        SamplingParams(max_tokens=4, min_tokens=5)
+        checked(max_tokens=4, min_tokens=5)
     assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
 
 
 def test_error_message_states_range():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0\.0"):
-        SamplingParams(top_p=0.0)
+        checked(top_p=0.0)
 
 
 @pytest.mark.parametrize("top_k", [-1, 0, 1, 50])
 def test_top_k_off_values_and_positive_are_valid(top_k):
-    assert SamplingParams(top_k=top_k).top_k == top_k
+    assert checked(top_k=top_k).top_k == top_k
 
 
 def test_edges_are_valid():
-    SamplingParams(
+    checked(
         temperature=0.0,
         top_p=1.0,
         min_p=1.0,
@@ -128,3 +135,38 @@ def test_clone_is_deep_and_equal():
     q.stop.append("b")
     q.stop_token_ids.append(8)
     assert p.stop == ["a"] and p.stop_token_ids == [7]
+
+
+def test_construction_checks_nothing_verify_does():
+    """Validation happens once, where a request enters an engine (InputProcessor.process):
+    a SamplingParams may be built and changed freely before that."""
+    params = SamplingParams(temperature=-1.0, stop=5)
+    params.temperature = 0.5
+    with pytest.raises(InvalidRequest) as e:
+        params.verify()
+    assert e.value.param == "stop"
+
+
+@pytest.mark.parametrize("field", ["top_k", "max_tokens", "min_tokens", "n", "logprobs", "prompt_logprobs", "seed"])
+@pytest.mark.parametrize("value", [INT32_MAX + 1, 2**63, 2**64, 2**70, 10**5000, -(2**63) - 1],
+                         ids=["2**31", "2**63", "2**64", "2**70", "10**5000", "-2**63-1"])
+def test_integers_past_their_bound_name_the_field(field, value):
+    """Every integer field has an upper bound (what C++ or the wire carries), and a message
+    that can show any integer (str() of 5,000 digits raises in Python)."""
+    if field == "seed" and -(2**63) <= value < 2**64:
+        return  # a 64-bit seed
+    with pytest.raises(InvalidRequest) as e:
+        checked(**{field: value})
+    assert e.value.param == field and len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("field", ["top_k", "max_tokens", "min_tokens", "n"])
+def test_int32_max_is_accepted(field):
+    checked(**{field: INT32_MAX}, **({"max_tokens": None} if field == "min_tokens" else {}))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), 10**400], ids=["inf", "-inf", "10**400"])
+def test_numbers_must_be_finite(value):
+    with pytest.raises(InvalidRequest) as e:
+        checked(temperature=value)
+    assert e.value.param == "temperature"

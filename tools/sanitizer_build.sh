@@ -13,7 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build/sanitize
-PY=${PYTHON:-python3}
+# The project's venv (launch/setup.sh) unless PYTHON names another interpreter.
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
@@ -34,7 +35,7 @@ if [ $# -gt 0 ]; then
   pytest "$@"
   exit
 fi
-pytest -q -m "not slow" tests/test_scheduler.py tests/engine tests/test_cpu_attention.py \
-  tests/test_cpu_fused_ops.py tests/test_cpu_linear.py tests/test_engine.py -k "not serve and not server"
+pytest -q -m "not slow" tests/engine/test_scheduler.py tests/engine/test_binding_guards.py \
+  tests/engine/test_kv_capacity.py tests/engine/test_llm_engine.py tests/kernels -k "not serve and not server"
 pytest -q -s -m slow tests/engine/test_scheduler_fuzz.py
 echo "sanitizer run: no ASan/UBSan report"

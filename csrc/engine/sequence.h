@@ -21,9 +21,11 @@ bool is_finished_status(SequenceStatus s);
 // OpenAI-style reason: "stop", "length", "abort", or "" while unfinished.
 const char *finish_reason_name(SequenceStatus s);
 
-// The per-request limits the scheduler enforces when it appends a token.
+// The per-request limits the scheduler enforces when it appends a token. max_tokens has no
+// default: the caller always sets it (Python's SamplingParams owns the default), and
+// Scheduler::add_sequence refuses one left at 0.
 struct SequenceLimits {
-  int max_tokens = 16;
+  int max_tokens = 0;
   int min_tokens = 0;
   std::vector<int32_t> stop_token_ids;
   int32_t eos_token_id = -1;

@@ -1,106 +1,180 @@
 """Who may speak on the ZeroMQ data plane (clients <-> router <-> ranks).
 
-On one machine (every socket on 127.0.0.1, the default) the sockets are plain TCP: only this
-machine's processes can reach them, the same boundary the private Ray instance relies on, and
-nothing is spent on encryption. Past one machine (a non-loopback host, or `data_plane_auth:
-on`) every socket uses ZeroMQ CURVE with one cluster key pair made at start:
+Every socket uses ZeroMQ CURVE, loopback included: any local process can reach a loopback
+port, and one forged Shutdown would stop a rank. At start the deployment makes one key pair
+per role (the router, the ranks, the clients: API servers and the offline driver):
 
-  - a binding socket is a CURVE server with the cluster secret key, and its context runs a
-    ZAP handler that admits only clients whose public key is the cluster's;
-  - a connecting socket is a CURVE client holding the cluster key pair.
+  - a binding socket is a CURVE server with its role's secret key, and a ZAP handler in its
+    context admits a peer only if the peer's public key is that of a role allowed to send to
+    that socket (a rank's inbox: the router; the router's frontend: the clients; its backend:
+    the ranks; a client's inbox: the router), and names the peer by that role (the frames'
+    User-Id, which cluster/inbox.py checks against each message's type);
+  - a connecting socket is a CURVE client with its role's key pair and the server's public key.
 
-A peer without the secret key cannot finish the handshake (CURVE makes a client prove it holds
-the secret key of the public key it presents), so its connection is dropped before any of its
-messages reach the router or a rank. CURVE rather than an HMAC on each message: it also
-encrypts prompts and outputs on the wire and refuses replays of captured messages (a replayed
-Shutdown would stop a rank), and libzmq does it per connection, not per message in Python.
+CURVE makes a client prove it holds the secret key of the public key it presents, so a
+process without a key is dropped at the handshake, and a client (the process that parses
+HTTP) cannot send a rank anything at all. CURVE rather than an HMAC on each message: it also
+encrypts prompts and outputs and refuses replays of captured messages, and libzmq does it per
+connection, not per message in Python.
 
-The key pair goes to the ranks and the router as Ray actor arguments and to API server
-processes through multiprocessing's pipe: never on a command line or in the environment.
+The keys go to the router and the ranks as Ray actor arguments and to API server processes
+through multiprocessing's pipe (only the client's secret: `for_role`), never on a command line
+or in the environment. `data_plane_auth: off` turns CURVE off: then any local process can
+drive or stop the cluster (unsafe; only for measuring what CURVE costs).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
 AuthMode = Literal["auto", "on", "off"]
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ROUTER, RANK, CLIENT = "router", "rank", "client"
+ROLES = (ROUTER, RANK, CLIENT)
 
 
 @dataclass(frozen=True)
 class ClusterKey:
-    """The cluster's CURVE key pair (Z85 text, as zmq.curve_keypair makes it)."""
+    """The data plane's CURVE keys (Z85 text, as zmq.curve_keypair makes them): every role's
+    public key, and the secret keys of the roles this process may act as."""
 
-    public: bytes
-    secret: bytes = field(repr=False)  # never in a log line
+    publics: dict[str, bytes]
+    secrets: dict[str, bytes] = field(repr=False)  # never in a log line
 
     @classmethod
     def generate(cls) -> ClusterKey:
         if not zmq.has("curve"):
             raise RuntimeError("data-plane authentication needs libzmq built with CURVE (libsodium)")
-        public, secret = zmq.curve_keypair()
-        return cls(public, secret)
+        pairs = {role: zmq.curve_keypair() for role in ROLES}
+        return cls({r: pub for r, (pub, _) in pairs.items()}, {r: sec for r, (_, sec) in pairs.items()})
+
+    def for_role(self, role: str) -> ClusterKey:
+        """What a process of `role` is given: its own secret key and the public keys."""
+        return ClusterKey(dict(self.publics), {role: self.pair(role)[1]})
+
+    def pair(self, role: str) -> tuple[bytes, bytes]:
+        if role not in self.secrets:
+            raise ValueError(f"this process does not hold the data plane's {role} key")
+        return self.publics[role], self.secrets[role]
+
+    def role_of(self, public: bytes) -> str | None:
+        """The role whose public key (Z85) is `public`, compared in constant time; None if none."""
+        found = None
+        for role, key in self.publics.items():
+            if hmac.compare_digest(key, public):
+                found = role
+        return found
 
 
 def cluster_key_for(host: str, mode: AuthMode = "auto") -> ClusterKey | None:
-    """A fresh key pair when the data plane must authenticate peers: `on`, or `auto` with a
-    host other than loopback; None (plain sockets) otherwise."""
+    """Fresh keys for a deployment: always, unless `mode` is off (no keys: plain sockets).
+    `auto` and `on` are the same since loopback is authenticated too; `host` is kept for the
+    callers (the data plane binds it either way)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"data_plane_auth must be auto, on or off, not {mode!r}")
-    if mode == "off" or (mode == "auto" and host in _LOOPBACK):
+    return None if mode == "off" else ClusterKey.generate()
+
+
+def role_key(key: ClusterKey | None, role: str) -> ClusterKey | None:
+    """`key` narrowed to what a process of `role` is given (None, no authentication, stays None)."""
+    return None if key is None else key.for_role(role)
+
+
+def host_of(address: str) -> str:
+    """The host of a tcp://HOST:PORT address (an IPv6 host keeps its brackets)."""
+    return address.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+class _ZapHandler:
+    """The ZAP handler of one context, on a thread of its own: a CURVE peer is admitted to a
+    socket whose ZAP domain lists its role ("rank", "client,router"...), and its frames carry
+    the role as their User-Id. A plain poll loop (pyzmq's ThreadAuthenticator runs an asyncio
+    poller whose stop() could wait forever, an API server then killed at its exit deadline)."""
+
+    def __init__(self, ctx: zmq.Context, key: ClusterKey, plane: DataPlane) -> None:
+        self._key, self._plane = key, plane
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.linger = 0
+        self._sock.bind("inproc://zeromq.zap.01")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="data-plane-zap", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            msg = self._sock.recv_multipart()
+            version, request_id = (msg + [b"", b""])[:2]
+            role = self._admit(msg)
+            self._sock.send_multipart([version, request_id, b"200" if role else b"400",
+                                       b"OK" if role else b"refused", (role or "").encode(), b""])
+
+    def _admit(self, msg: list[bytes]) -> str | None:
+        """The peer's role if it may connect to the socket, else None (counted and logged)."""
+        domain = msg[2].decode(errors="replace") if len(msg) > 2 else ""
+        curve = len(msg) >= 7 and msg[5] == b"CURVE"
+        role = self._key.role_of(z85.encode(msg[6])) if curve else None
+        if role is not None and role in domain.split(","):
+            return role
+        self._plane.refused += 1
+        if self._plane.refused & (self._plane.refused - 1) == 0:  # 1, 2, 4, 8...: bounded logs
+            logger.warning("data plane: refused a peer (%s) on a socket for %s; %d refused so far",
+                           f"the {role} key" if role else "no key of this deployment", domain,
+                           self._plane.refused)
         return None
-    return ClusterKey.generate()
 
-
-class _OnlyClusterKey:
-    """The ZAP handler's rule: the client's public key must be the cluster's."""
-
-    def __init__(self, public: bytes) -> None:
-        self._public = public
-
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        allowed = hmac.compare_digest(client_key, self._public)
-        if not allowed:
-            logger.warning("data plane: refused a peer that does not hold the cluster key")
-        return allowed
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
 
 
 class DataPlane:
-    """A ZeroMQ context whose sockets are CURVE-authenticated when `key` is set."""
+    """A ZeroMQ context whose sockets are CURVE-authenticated as `role` when `key` is set."""
 
-    def __init__(self, key: ClusterKey | None) -> None:
-        self.key = key
+    def __init__(self, key: ClusterKey | None, role: str) -> None:
+        self.key, self.role = key, role
         self.ctx = zmq.Context()
-        self._auth: ThreadAuthenticator | None = None
+        self.refused = 0  # handshakes refused by the ZAP handler
+        self._auth: _ZapHandler | None = None
         if key is not None:
-            self._auth = ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback("*", _OnlyClusterKey(key.public))
+            key.pair(role)  # fails now, not at the first socket, if the role's key is missing
+            self._auth = _ZapHandler(self.ctx, key, self)
 
-    def bound(self, kind: int, host: str, **options: int) -> zmq.Socket:
-        """A socket bound to a random port of `host` (its LAST_ENDPOINT is the address), with
-        `options` (zmq option name -> value) set first."""
+    @property
+    def authenticated(self) -> bool:
+        return self.key is not None
+
+    def bound(self, kind: int, host: str, admit: tuple[str, ...], port: int = 0, **options: int) -> zmq.Socket:
+        """A socket bound to `port` of `host`, or a random one (its LAST_ENDPOINT is the
+        address), that admits peers of the roles in `admit`, with `options` (zmq option name ->
+        value) set first."""
         sock = self._socket(kind, options)
-        if self.key is not None:
+        if self._auth is not None:
+            sock.zap_domain = ",".join(sorted(admit)).encode()
             sock.curve_server = True
-            sock.curve_secretkey = self.key.secret
-        sock.bind_to_random_port(f"tcp://{host}")
+            sock.curve_secretkey = self.key.pair(self.role)[1]
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{host}")
         return sock
 
-    def connected(self, kind: int, address: str, **options: int) -> zmq.Socket:
-        """A socket connected to `address`, with `options` set first."""
+    def connected(self, kind: int, address: str, server: str, **options: int) -> zmq.Socket:
+        """A socket connected to `address`, where a socket of role `server` is bound, with
+        `options` set first."""
         sock = self._socket(kind, options)
         if self.key is not None:
-            sock.curve_serverkey = self.key.public
-            sock.curve_publickey = self.key.public
-            sock.curve_secretkey = self.key.secret
+            sock.curve_serverkey = self.key.publics[server]
+            sock.curve_publickey, sock.curve_secretkey = self.key.pair(self.role)
         sock.connect(address)
         return sock
 

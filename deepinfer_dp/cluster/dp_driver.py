@@ -21,6 +21,7 @@ from deepinfer_dp.cluster.data_plane import ClusterKey
 from deepinfer_dp.cluster.ray_launcher import RayDeployment
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineError, RequestRejected
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.engine.outputs import OwnedOutput
@@ -29,20 +30,17 @@ from deepinfer_dp.sampling_params import SamplingParams
 
 
 class DPDriver:
-    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors) and a
-    RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
+    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors, as
+    `settings` say) and a RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
     `deployment` has the processes (kill_rank, infos)."""
 
-    def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
-                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 max_rank_restarts: int = 3, data_plane_auth: str = "auto", spare_rank: bool = True) -> None:
+    def __init__(self, config: EngineConfig, settings: DPSettings) -> None:
         self.config = config = per_rank_threads(config)
-        self.deployment = RayDeployment(config, policy, address, strategy, collective_timeout_s, host,
-                                        max_rank_restarts=max_rank_restarts, data_plane_auth=data_plane_auth,
-                                        spare_rank=spare_rank)
+        self.deployment = RayDeployment(config, settings)
         try:
             self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
-                                  str(config.model or "default"), host, self.deployment.key)
+                                  str(config.model or "default"), settings.router.data_plane_host,
+                                  self.deployment.key)
         except BaseException:
             self.deployment.shutdown()
             raise
@@ -60,12 +58,18 @@ class DPDriver:
 
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Validates (raises ValueError naming the problem) and sends the request to the router."""
+        """Validates (InputProcessor.process; InvalidRequest naming the field; no params: the
+        model's defaults) and sends the request to the router with add_checked."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("add_request needs a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt).input_ids
-        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
+        params = sampling_params if sampling_params is not None else self.input_processor.default_params()
+        return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
+
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Sends a request (n=1) that has passed InputProcessor.process to the router; the
+        rank admits it without checking it again (engine/input_processor.py)."""
         rid = str(next(self._counter)) if request_id is None else str(request_id)
         self.router.submit(rid, ids, params, self._outputs.put)
         self._pending.add(rid)
@@ -137,5 +141,5 @@ def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
     plane's key (RayDeployment.key)."""
     info = rank_info
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
-    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"],
-                        InputProcessor(info["vocab_size"], info["max_model_len"]), host, key=key)
+    processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
+    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)

@@ -28,9 +28,8 @@ from typing import Protocol
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import DataPlane
+from deepinfer_dp.cluster.data_plane import RANK, DataPlane
 from deepinfer_dp.cluster.waves import Waves
-from deepinfer_dp.distributed.groups import serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class RankHandle:
 class Membership:
     def __init__(self, plane: DataPlane, lock: threading.RLock, waves: Waves, host: str,
                  collective_timeout_s: float, on_down: Callable[[RankHandle, str], None],
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int) -> None:
         self.ranks: list[RankHandle] = []
         self.liveness: Liveness | None = None
         self.group_failures = 0  # GroupBroken reports (a failed lockstep vote on some rank)
@@ -82,16 +81,20 @@ class Membership:
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
 
-    def attach(self, addresses: list[str], liveness: Liveness | None) -> None:
-        """The ranks of the first group (dp_rank = index)."""
+    def attach(self, addresses: list[str], liveness: Liveness | None, up: list[bool] | None = None) -> None:
+        """The ranks of the first group (dp_rank = index); `up` False: a rank that a restarted
+        router found gone (checked and restarted as any dead rank)."""
+        up = up or [True] * len(addresses)
         with self._lock:
-            self.ranks = [RankHandle(i, addr, self._connect(addr)) for i, addr in enumerate(addresses)]
+            self.ranks = [RankHandle(i, addr, self._connect(addr) if ok else self._plane.ctx.socket(zmq.PUSH), up=ok,
+                                     down_reason="" if ok else f"DP rank {i} was lost while the router restarted")
+                          for i, (addr, ok) in enumerate(zip(addresses, up, strict=True))]
             self.liveness = liveness
 
     def _connect(self, address: str) -> zmq.Socket:
         # No high-water mark: a blocked send under the lock would stop the router's loop too,
         # and with it the ranks' replies (a deadlock on a large burst).
-        return self._plane.connected(zmq.PUSH, address, SNDHWM=0)
+        return self._plane.connected(zmq.PUSH, address, RANK, SNDHWM=0)
 
     def up(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.up]
@@ -210,6 +213,8 @@ class Membership:
     def _reform(self) -> None:
         """A fresh group of the ranks that are up, on a new store."""
         self._broken_since, self._broken_ranks = None, set()
+        from deepinfer_dp.distributed.groups import serve_store  # torch: only once a group re-forms
+
         store = serve_store(self._host)
         self._stores.append(store)
         members = self.up()

@@ -4,8 +4,9 @@ the offline driver): msgspec structs in msgpack, tagged by type.
 No pickle on the wire: a peer can only send these shapes. Every process receives on one PULL
 socket it binds, and sends with a PUSH socket to each peer's PULL: a rank's from the router,
 the router's from the ranks and the clients, a client's from the router. Everything binds
-127.0.0.1 unless a multi-node launcher gives another host; then every socket is CURVE-
-authenticated with the cluster's key (cluster/data_plane.py).
+127.0.0.1 unless a multi-node launcher gives another host; every socket is CURVE-authenticated
+with its role's key (cluster/data_plane.py), and each inbox takes each message type only from
+the role listed for it below (cluster/inbox.py).
 
     client -> router   Hello, AddRequest, Abort, StatsQuery, HealthQuery, Goodbye
     router -> rank     AddRequest, Abort, Wake, StatsQuery, Reform, Shutdown
@@ -16,10 +17,11 @@ authenticated with the cluster's key (cluster/data_plane.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
+from deepinfer_dp.cluster.data_plane import CLIENT, RANK, ROUTER
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -142,6 +144,7 @@ class HealthReply(msgspec.Struct, tag=True):
     query_id: int
     ranks: list[dict[str, Any]]  # {"dp_rank", "up", "inflight", "reason"} per rank
     group_failures: int = 0  # failed lockstep votes reported so far (each led to a re-form)
+    router_id: str = ""  # this router process's; a new one means it restarted and lost its requests
 
 
 ToRank = AddRequest | Abort | Wake | StatsQuery | Reform | Shutdown
@@ -155,10 +158,18 @@ router_decoder = msgspec.msgpack.Decoder(FromRank)
 frontend_decoder = msgspec.msgpack.Decoder(FromClient)
 client_decoder = msgspec.msgpack.Decoder(ToClient)
 
+# Who may send each message to each inbox (cluster/inbox.py checks every frame against these,
+# and the ZAP handler admits only these roles' keys to the socket): a rank takes orders
+# (Shutdown, Reform...) from the router alone; a client's inbox hears only the router.
+TO_RANK_SENDERS = {t: (ROUTER,) for t in get_args(ToRank)}
+FROM_RANK_SENDERS = {t: (RANK,) for t in get_args(FromRank)}
+FROM_CLIENT_SENDERS = {t: (CLIENT,) for t in get_args(FromClient)}
+TO_CLIENT_SENDERS = {t: (ROUTER,) for t in get_args(ToClient)}
+
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return dataclasses.asdict(params)
 
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**fields)  # validates again on the rank
+    return SamplingParams(**fields)  # validated by the sender (engine/input_processor.py)

@@ -12,6 +12,8 @@ Inside a wave the rank runs the step loop (engine/step_loop.py), taking new mess
 steps. A request the engine refuses is answered with Rejected, and any other failure while
 admitting one request fails that request only; a failure of the loop itself ends the rank's
 thread, which the launcher's health check sees (the rank is then killed and marked down).
+What a peer sends never does: a frame that does not decode, or that is not from the router,
+is dropped and counted (cluster/inbox.py; `dropped_frames` in the rank's stats).
 
 A Reform that arrives mid-wave (a restarted rank returns, the group grows back) is not a
 failure: the rank asks its lockstep to regroup, every rank leaves the step loop after the same
@@ -23,17 +25,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp_groups, init_dp_groups
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
+PROGRESS_S = 1.0  # inside a wave, a rank whose steps send no outputs still reports a step this often
 
 
 class RankServer:
@@ -45,13 +50,15 @@ class RankServer:
         self.dp_rank = dp_rank
         self.wave = 0
         self.waves_run = 0
-        self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
-        self._inbox = self._plane.bound(zmq.PULL, host)
-        self.address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._plane = DataPlane(key, RANK)  # `key`: peers by role (cluster/data_plane.py)
+        # Only the router may send here; a frame that does not decode is dropped and counted.
+        self._inbox = Inbox(self._plane, host, p.rank_decoder, p.TO_RANK_SENDERS, f"DP rank {dp_rank}")
+        self.address = self._inbox.address
         # no high-water mark: never block a step on a slow router
-        self._outbox = self._plane.connected(zmq.PUSH, router_addr, SNDHWM=0)
+        self._outbox = self._plane.connected(zmq.PUSH, router_addr, ROUTER, SNDHWM=0)
         self._stop = False
         self._reform: p.Reform | None = None
+        self._last_report = 0.0  # when the router last heard of a step of this rank
 
     # ---- the outer loop ------------------------------------------------------------------
     def serve_or_exit(self) -> None:
@@ -68,7 +75,8 @@ class RankServer:
         """Until Shutdown: block for a message; enter a wave when it asks for one."""
         try:
             while not self._stop:
-                reason = self._handle(p.rank_decoder.decode(self._inbox.recv()), idle=True)
+                got = self._inbox.recv()  # None: a frame dropped (malformed, wrong sender)
+                reason = self._handle(got[0], idle=True) if got is not None else None
                 if reason is not None:
                     self._run_wave(announce=reason == "request")
                 if self._reform is not None and self._apply_reform() == "request":
@@ -79,7 +87,7 @@ class RankServer:
                 lockstep.close()
             self.engine.shutdown()
             destroy_dp_groups()  # now, not at interpreter teardown
-            self._inbox.close(linger=0)
+            self._inbox.close()
             self._outbox.close(linger=1000)
             self._plane.close()
 
@@ -104,18 +112,28 @@ class RankServer:
         self.waves_run += 1
 
     def _step_until_all_done(self) -> None:
-        self.loop.run(self._send_outputs, take_work=self._drain)
+        self.loop.run(self._send_outputs, take_work=self._between_steps)
+
+    def _between_steps(self) -> None:
+        """Before each step: the new messages, and an empty Deltas when no step's outputs went
+        to the router for PROGRESS_S (a rank without requests of its own only steps the
+        placeholder): the router reports a rank with no step for long as stalled."""
+        if time.monotonic() - self._last_report >= PROGRESS_S:
+            self._send_outputs([])
+        self._drain()
 
     def _send_outputs(self, outputs: list) -> None:
+        self._last_report = time.monotonic()
         self._send(p.Deltas(self.dp_rank, self.engine.to_deltas(outputs)))
 
     def _drain(self) -> None:
         while True:
             try:
-                raw = self._inbox.recv(zmq.NOBLOCK)
+                got = self._inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(p.rank_decoder.decode(raw), idle=False)
+            if got is not None:
+                self._handle(got[0], idle=False)
 
     # ---- messages ------------------------------------------------------------------------
     def _handle(self, msg, idle: bool) -> str | None:
@@ -140,8 +158,9 @@ class RankServer:
 
     def _add(self, msg: p.AddRequest) -> bool:
         try:
-            self.engine.add_request(None, p.params_from_wire(msg.params), msg.prompt_token_ids,
-                                    request_id=msg.request_id)
+            # Trusted, not validated again: only peers holding the data plane's key (the API
+            # servers and the DP driver, which ran InputProcessor.process) can send AddRequest.
+            self.engine.add_checked(msg.prompt_token_ids, p.params_from_wire(msg.params), msg.request_id)
         except ValueError as e:  # the request's own fault
             self._send(p.Rejected(self.dp_rank, msg.request_id, f"request {msg.request_id}: {e}"))
             return False
@@ -160,7 +179,9 @@ class RankServer:
     # ---- failure: wait for the router to re-form the group -------------------------------
     def _await_reform(self) -> None:
         while self._reform is None and not self._stop:
-            self._handle(p.rank_decoder.decode(self._inbox.recv()), idle=False)
+            got = self._inbox.recv()
+            if got is not None:
+                self._handle(got[0], idle=False)
         if self._reform is not None:
             if self._apply_reform() == "request":
                 self._run_wave(announce=True)
@@ -179,7 +200,8 @@ class RankServer:
         return "request" if self.engine.has_local_unfinished_requests() else None
 
     def stats(self) -> dict:
-        return {**self.loop.stats(), "dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run}
+        return {**self.loop.stats(), "dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run,
+                "dropped_frames": self._inbox.total_dropped(), "refused_handshakes": self._plane.refused}
 
     def _send(self, msg) -> None:
         self._outbox.send(p.encoder.encode(msg))

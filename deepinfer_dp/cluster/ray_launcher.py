@@ -6,9 +6,17 @@ messages) is placed on this node, next to the clients that connect to it. addres
 starts a private Ray instance for this process; address="auto" joins the cluster started by
 launch/ray_head.sh (and ray_worker.sh on other nodes).
 
+A standby router process waits with its imports done; when the router's process dies, a
+thread here (RayDeployment._watch_router) sees it within WATCH_INTERVAL_S and hands the standby
+the rank actors (RouterActor.recover): it binds the same two ports, so the ranks' and the
+clients' sockets reconnect by themselves, and a new standby starts. The ranks, their DP group
+and the clients stay as they are. (Ray's own actor restart took 10-17 s on a loaded machine:
+a new worker process importing Ray and the router; the standby takes over in about a second.)
+
 shutdown() stops everything in order: the router asks the ranks to leave, each rank stops its
 engine and destroys its DP group, and the actors exit through Ray's graceful termination
-(status 0), with a kill only for an actor that does not exit in time.
+(status 0), with a kill only for an actor that does not exit in time; all of it within a
+deadline (a process stopping on SIGTERM has seconds, not minutes).
 """
 
 from __future__ import annotations
@@ -17,230 +25,28 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import signal
+import socket
 import threading
-from typing import Any
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deepinfer_dp.cluster.data_plane import AuthMode, ClusterKey, cluster_key_for
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, cluster_key_for, role_key
+from deepinfer_dp.cluster.rank_actor import RankSpec, rank_device
+from deepinfer_dp.cluster.router_actor import RouterActor, process_exists
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 
 logger = logging.getLogger(__name__)
 RAY_TEMP_DIR = "/tmp/ray_dp"
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 600.0  # model load on every rank, GGUF conversion on a cold cache included
 STOP_TIMEOUT_S = 30.0
-
-
-class RankActor:
-    """One DP rank inside a Ray actor: LLMEngine + RankServer on a background thread, so the
-    actor still answers ping() while the rank blocks on its socket."""
-
-    def __init__(self, config: dict, dp_rank: int, world_size: int, key: ClusterKey | None = None) -> None:
-        self._config = config
-        self.config = EngineConfig(**config)
-        self.dp_rank = dp_rank
-        self.world_size = world_size
-        self.key = key  # the data plane's key (an actor argument: not on any command line)
-        self._thread: threading.Thread | None = None
-
-    def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
-        """Loads the engine, joins the first DP group and serves."""
-        from deepinfer_dp.distributed import init_dp_groups
-        from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
-
-        engine = self._load()  # load first: the group timeout should not count it
-        groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
-                                engine.device, timeout_s, JOIN_TIMEOUT_S)
-        engine.join_dp_group(groups)
-        return self._serve(engine, router_addr, timeout_s, host)
-
-    def rejoin(self, router_addr: str, timeout_s: float, host: str) -> dict:
-        """A restarted rank: loads the engine and serves with no group; the router's Reform
-        (sent when it takes the rank back) makes it join the others'."""
-        return self._serve(self._load(), router_addr, timeout_s, host)
-
-    def warm(self) -> int:
-        """A spare's work ahead of need: the engine's imports (torch, transformers, the model
-        code), which are most of a new rank's start-up; loading the model itself is short.
-        Returns the process id."""
-        import deepinfer_dp.cluster.rank  # noqa: F401
-        import deepinfer_dp.engine.llm_engine  # noqa: F401
-
-        return os.getpid()
-
-    def take_over(self, dp_rank: int, router_addr: str, timeout_s: float, host: str) -> dict:
-        """A warm spare becomes DP rank `dp_rank` (whose process died): rejoin() as that rank."""
-        self.dp_rank = dp_rank
-        self.config = EngineConfig(**{**self._config, "dp_rank": dp_rank})
-        return self.rejoin(router_addr, timeout_s, host)
-
-    def _load(self):
-        from deepinfer_dp.distributed.cpu_binding import bind_this_process, rank_cpus
-        from deepinfer_dp.engine.llm_engine import LLMEngine
-
-        cpus = rank_cpus(self.dp_rank, self.world_size) if self.config.torch_device().type == "cpu" else None
-        if cpus is not None:  # before the engine starts its device and OpenMP threads
-            bind_this_process(cpus)
-        return LLMEngine(self.config)
-
-    def _serve(self, engine, router_addr: str, timeout_s: float, host: str) -> dict:
-        from deepinfer_dp.cluster.rank import RankServer
-
-        if host not in ("127.0.0.1", "localhost"):  # multi-node: bind this node's address
-            host = ray.util.get_node_ip_address()
-        server = RankServer(engine, self.dp_rank, router_addr, host, group_timeout_s=timeout_s, key=self.key)
-        self._thread = threading.Thread(target=server.serve_or_exit, name=f"dp-rank-{self.dp_rank}", daemon=True)
-        self._thread.start()
-        return {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
-                "max_model_len": engine.max_model_len, "node_id": ray.get_runtime_context().get_node_id()}
-
-    def ping(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Waits for the rank to leave after the router's Shutdown; True when it did."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        return self._thread is None or not self._thread.is_alive()
-
-
-@dataclasses.dataclass
-class RankSpec:
-    """How to start a rank actor: the deployment's first ranks and a restarted one alike."""
-
-    config: dict
-    pg: Any
-    dp_size: int
-    cpus_per_rank: float
-    gpus: int
-    host: str
-    timeout_s: float
-    key: ClusterKey | None = None
-    spare: bool = True  # keep a warm spare rank process (CPU ranks only, see create_spare)
-
-    def create(self, dp_rank: int):
-        return ray.remote(RankActor).options(
-            num_cpus=self.cpus_per_rank, num_gpus=self.gpus, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, dp_rank),
-        ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size, self.key)
-
-    def create_spare(self, node_id: str):
-        """A rank process for later, on `node_id` (call RankActor.warm on it), or None.
-        It reserves nothing: it idles until it takes a dead rank's place, and then runs on the
-        cores it binds (the dead rank's share; the dead rank's bundle stays reserved and
-        unused). GPU ranks get no spare: Ray hands a GPU to an actor only at its creation, in
-        the dead rank's bundle."""
-        if not self.spare or self.gpus:
-            return None
-        return ray.remote(RankActor).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-        ).remote({**self.config, "dp_rank": 0}, 0, self.dp_size, self.key)
-
-
-class RouterActor:
-    """The router process (cluster/router.py) as a Ray actor, with the rank actors as its
-    Liveness: it checks them, kills them, and replaces a dead one: by the warm spare when there
-    is one (a rank process with its imports done, most of a restart's time), else by a new
-    actor in the dead rank's bundle. It also serves the store the first DP group forms on."""
-
-    def __init__(self, policy: str, host: str, collective_timeout_s: float, max_rank_restarts: int,
-                 key: ClusterKey | None = None) -> None:
-        from deepinfer_dp.cluster.policies import make_policy
-        from deepinfer_dp.cluster.router import Router
-        from deepinfer_dp.distributed.groups import serve_store
-
-        self.router = Router(make_policy(policy), host, collective_timeout_s, max_rank_restarts=max_rank_restarts,
-                             key=key)
-        self.store = serve_store(host, collective_timeout_s)
-        self.actors: list = []
-        self.infos: list[dict] = []
-        self.spec: RankSpec | None = None
-        self.spare = None  # a warm rank process that replaces the next dead rank (RankSpec.create_spare)
-        self._spare_warm = None  # its RankActor.warm call: the process id once its imports are done
-        self._spare_lock = threading.Lock()  # two ranks may die, and restart, at once
-
-    def addresses(self) -> dict:
-        return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
-                "store_port": self.store.port, "pid": os.getpid()}
-
-    def attach_ranks(self, spec: RankSpec, infos: list[dict], actors: list) -> None:
-        self.spec, self.infos, self.actors = spec, list(infos), list(actors)
-        self.router.attach_ranks([i["address"] for i in infos], liveness=self)
-        self.router.start()
-        with self._spare_lock:
-            self._new_spare()
-
-    def _new_spare(self) -> None:
-        if self.router.membership.max_restarts > 0:
-            self.spare = self.spec.create_spare(ray.get_runtime_context().get_node_id())
-            self._spare_warm = self.spare.warm.remote() if self.spare is not None else None
-
-    def spare_actor(self):
-        return self.spare
-
-    def spare_pid(self, timeout_s: float) -> int | None:
-        """The spare's process id once it is warm (None: no spare)."""
-        with self._spare_lock:
-            warm = self._spare_warm if self.spare is not None else None
-        return None if warm is None else ray.get(warm, timeout=timeout_s)
-
-    def rank_actors(self) -> list:
-        return list(self.actors)
-
-    def rank_infos(self) -> list[dict]:
-        """The ranks' (address, pid, ...) now: a restarted rank has a new process."""
-        return list(self.infos)
-
-    def alive(self, dp_rank: int) -> bool:
-        info = self.infos[dp_rank]
-        if info.get("node_id") == ray.get_runtime_context().get_node_id() and not _process_exists(info["pid"]):
-            return False  # on this node a dead process is seen at once, before Ray reports it
-        try:
-            return bool(ray.get(self.actors[dp_rank].ping.remote(), timeout=10))
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
-
-    def kill(self, dp_rank: int) -> None:
-        ray.kill(self.actors[dp_rank], no_restart=True)
-
-    def restart(self, dp_rank: int) -> str:
-        """The warm spare, or else a new rank actor in the dead one's bundle, loaded and serving
-        with no group; its address (the router then takes it back with a Reform at full size).
-        A spare that took over is replaced by a new one, warming up in the background."""
-        with self._spare_lock:
-            spare, self.spare = self.spare, None
-        args = (self.router.backend_address, self.spec.timeout_s, self.spec.host)
-        info = None
-        if spare is not None:
-            try:
-                info = self._serving(dp_rank, spare, spare.take_over.remote(dp_rank, *args))
-            except ray.exceptions.RayActorError:  # the spare itself died: a new process then
-                logger.exception("DP rank %d: the spare rank process is gone; starting a new one", dp_rank)
-        if info is None:
-            actor = self.spec.create(dp_rank)
-            info = self._serving(dp_rank, actor, actor.rejoin.remote(*args))
-        with self._spare_lock:
-            if self.spare is None:
-                self._new_spare()
-        return info["address"]
-
-    def _serving(self, dp_rank: int, actor, call) -> dict:
-        """`actor` is DP rank `dp_rank` from now on; its info once `call` (loading) returns."""
-        self.actors[dp_rank] = actor  # from now on, alive() and kill() mean this one
-        try:
-            info = ray.get(call, timeout=START_TIMEOUT_S)
-        except BaseException:
-            ray.kill(actor, no_restart=True)
-            raise
-        self.infos[dp_rank] = info
-        return info
-
-    def stop(self) -> None:
-        self.router.close()
+WATCH_INTERVAL_S = 0.5
 
 
 def ensure_ray(address: str, num_cpus: int) -> bool:
@@ -259,8 +65,9 @@ def ensure_ray(address: str, num_cpus: int) -> bool:
             # Ray starts workers at nice 15 by default; ranks are the work itself, not helpers,
             # and a deprioritized rank slows every rank (lockstep).
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address=LOOPBACK,
-                     object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
+            with _own_session():
+                ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, _node_ip_address=LOOPBACK,
+                         object_store_memory=100 * 2**20, _temp_dir=RAY_TEMP_DIR, log_to_driver=False)
             return True
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=address)
@@ -279,6 +86,34 @@ def _loopback_only() -> None:
 
 
 @contextlib.contextmanager
+def _own_session():
+    """The private instance's processes (GCS, raylet, and the workers the raylet starts) run in
+    a session of their own: a SIGTERM or SIGINT sent to this process's group (a terminal's
+    Ctrl-C, a supervisor's kill of the group) reaches this process, which drains and then stops
+    them (shutdown(), ray.shutdown()), instead of killing them under it (its Ray calls would
+    then wait a minute for the GCS and fail). They still die with this process: Ray sets each
+    one's parent-death signal. Ray offers no option for it, so its Popen is wrapped meanwhile."""
+    from ray._private import services
+
+    original = getattr(services, "ConsolePopen", None)
+    if original is None:  # another Ray version: its processes share this group
+        logger.warning("Ray's processes share this process group (ray._private.services.ConsolePopen not found)")
+        yield
+        return
+
+    class _InOwnSession(original):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _InOwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
+
+
+@contextlib.contextmanager
 def _keep_signal_handlers():
     """ray.init installs a handler that dumps the stack and aborts on SIGTERM; this process's
     own handlers (a server's graceful stop, or the default: end) are put back after it."""
@@ -294,34 +129,44 @@ def _keep_signal_handlers():
 
 
 class RayDeployment:
-    """The router and rank actors of one DP deployment. `frontend` is the router's address
+    """The router and rank actors of one DP deployment, as `settings` (the deployment's router
+    and Ray sections) say. `frontend` is the router's address
     for clients; `infos` are the ranks' (address, pid, vocab_size, max_model_len); `key` is the
-    data plane's (None on loopback unless `data_plane_auth` is on): clients need it too."""
+    data plane's, every role's (None only with `data_plane_auth` off): clients need it too; the
+    router and the ranks are given only their own role's secret (the router also the ranks',
+    to start a rank again)."""
 
-    def __init__(self, config: EngineConfig, policy: str = "round_robin", address: str = "local",
-                 strategy: str = "pack", collective_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cpus_per_rank: float = 1.0, max_rank_restarts: int = 3, data_plane_auth: AuthMode = "auto",
-                 spare_rank: bool = True) -> None:
-        dp_size = config.dp_size
-        self.key = cluster_key_for(host, data_plane_auth)
-        self.owns_ray = ensure_ray(address, max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999)))
+    def __init__(self, config: EngineConfig, settings: DPSettings, cpus_per_rank: float = 1.0) -> None:
+        dp_size, router = config.dp_size, settings.router
+        host = router.data_plane_host
+        collective_timeout_s = router.collective_timeout_s
+        self.key = cluster_key_for(host, router.data_plane_auth)
+        cpus = max(os.cpu_count() or 1, int(dp_size * cpus_per_rank + 0.999))
+        self.owns_ray = ensure_ray(settings.ray.address, cpus)
         gpus = 1 if config.torch_device().type == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(dp_size)], strategy=strategy.upper())
+        self.pg = placement_group([dict(bundle) for _ in range(dp_size)],
+                                  strategy=settings.ray.placement_strategy.upper())
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ray.remote(RouterActor).options(num_cpus=0, scheduling_strategy=here).remote(
-            policy, host, collective_timeout_s, max_rank_restarts, self.key)
+        self._new_router = lambda standby: ray.remote(RouterActor).options(
+            num_cpus=0, scheduling_strategy=here).remote(router, host, role_key(self.key, ROUTER), ports, standby)
+        ports = _free_ports(host, 2)
+        self.router = self._new_router(False)
+        self._standby = None
         self.ranks: list = []
+        self.spare = None
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
         try:
             ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
             addrs = ray.get(self.router.addresses.remote(), timeout=START_TIMEOUT_S)
-            cfg = {**dataclasses.asdict(config), "device": _rank_device(config)}
-            spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s, self.key,
-                            spare_rank)
-            self.ranks = [spec.create(i) for i in range(dp_size)]
+            cfg = {**dataclasses.asdict(config), "device": rank_device(config)}
+            self.spec = RankSpec(cfg, self.pg, dp_size, cpus_per_rank, gpus, host, collective_timeout_s,
+                                 role_key(self.key, RANK), router.spare_rank)
+            self.ranks = [self.spec.create(i) for i in range(dp_size)]
             self.infos = ray.get([a.start.remote(host, addrs["store_port"], addrs["backend"], collective_timeout_s,
                                                  host) for a in self.ranks], timeout=START_TIMEOUT_S)
-            ray.get(self.router.attach_ranks.remote(spec, self.infos, self.ranks))
+            ray.get(self.router.attach_ranks.remote(self.spec, self.infos, self.ranks))
         except BaseException as e:
             self.shutdown()  # a rank failed to start (bad model path...): leave nothing behind
             cause = getattr(e, "cause", None)  # a RayTaskError carries the rank's own exception
@@ -329,7 +174,51 @@ class RayDeployment:
                 raise cause from e
             raise
         self.frontend = addrs["frontend"]
-        self.router_pid = addrs["pid"]
+        self.router_pid = addrs["pid"]  # the router's process now (a new one after a fail-over)
+        self._standby = self._new_router(True)
+        self._watch = threading.Thread(target=self._watch_router, name="router-watch", daemon=True)
+        self._watch.start()
+
+    def _watch_router(self) -> None:
+        """Keeps a copy of the rank actors; when the router's process dies, the standby takes over."""
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            if not process_exists(self.router_pid):  # on this node: seen at once
+                self._fail_over("its process is gone")
+                continue
+            try:
+                self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S)
+                self.spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
+            except ray.exceptions.RayActorError as e:
+                self._fail_over(type(e).__name__)
+            except (ray.exceptions.RayError, TimeoutError):
+                logger.warning("the router process did not answer within %.0fs", STOP_TIMEOUT_S)
+
+    def _fail_over(self, why: str) -> None:
+        if self._stopping.is_set():
+            return
+        started = time.monotonic()
+        logger.error("the router process died (%s); the standby takes over", why)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(self.router, no_restart=True)
+        standby, self._standby = self._standby, None
+        if standby is None:
+            standby = self._new_router(True)
+        try:
+            up = ray.get(standby.recover.remote(self.spec, self.ranks, self.spare), timeout=STOP_TIMEOUT_S)
+            pid = ray.get(standby.addresses.remote(), timeout=STOP_TIMEOUT_S)["pid"]
+        except (ray.exceptions.RayError, TimeoutError):
+            logger.exception("the standby router could not take over; trying a new one")
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(standby, no_restart=True)
+            return  # the next watch turn tries again
+        self.router, self.router_pid = standby, pid
+        self._standby = self._new_router(True)
+        logger.warning("a new router process serves, %.1fs after the death was seen (ranks up: %s)",
+                       time.monotonic() - started, up)
+
+    def router_process(self) -> int:
+        """The router's process id now (after a restart, a new one)."""
+        return ray.get(self.router.addresses.remote(), timeout=STOP_TIMEOUT_S)["pid"]
 
     def kill_rank(self, dp_rank: int) -> None:
         """Kills a rank's process at once, as a crash would (tests, fault drills)."""
@@ -343,50 +232,95 @@ class RayDeployment:
         """The spare rank's process once it is warm, if there is one (tests, fault drills)."""
         return ray.get(self.router.spare_pid.remote(timeout_s), timeout=timeout_s + STOP_TIMEOUT_S)
 
-    def shutdown(self) -> None:
-        spare = None
+    def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stops the ranks, the router and (if this process started it) the private Ray
+        instance, every wait within `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
+        self._stopping.set()
+        if self._watch is not None:
+            self._watch.join(timeout=1.0)
         try:  # the ranks as they are now: a restarted rank is a new actor
-            self.ranks = ray.get(self.router.rank_actors.remote(), timeout=STOP_TIMEOUT_S) or self.ranks
-            spare = ray.get(self.router.spare_actor.remote(), timeout=STOP_TIMEOUT_S)
+            self.ranks = ray.get(self.router.rank_actors.remote(), timeout=_left(deadline)) or self.ranks
+            self.spare = ray.get(self.router.spare_actor.remote(), timeout=_left(deadline))
         except (ray.exceptions.RayError, TimeoutError):
             pass
         try:
-            ray.get(self.router.stop.remote(), timeout=STOP_TIMEOUT_S)  # sends Shutdown to the ranks
+            ray.get(self.router.stop.remote(), timeout=_left(deadline))  # sends Shutdown to the ranks
         except (ray.exceptions.RayError, TimeoutError):
             logger.warning("the router actor did not stop cleanly")
-        leaving = [r.stop.remote(STOP_TIMEOUT_S) for r in self.ranks]  # engine stopped, group destroyed
-        ray.wait(leaving, num_returns=len(leaving), timeout=STOP_TIMEOUT_S)
-        actors = [*self.ranks, *([spare] if spare is not None else []), self.router]
+        leaving = [r.stop.remote(_left(deadline)) for r in self.ranks]  # engine stopped, group destroyed
+        ray.wait(leaving, num_returns=len(leaving), timeout=_left(deadline))
+        actors = [*self.ranks, *(a for a in (self.spare, self._standby) if a is not None), self.router]
         for actor in actors:
             actor.__ray_terminate__.remote()  # a graceful exit, after the calls queued before it
         for actor in actors:
-            _wait_for_exit(actor)
+            _wait_for_exit(actor, deadline)
         remove_placement_group(self.pg)
         if self.owns_ray:
+            instance = _private_instance_processes()
             ray.shutdown()
+            _reap(instance, deadline)
 
 
-def _process_exists(pid: int) -> bool:
-    """False once the process is gone or a zombie (killed, not yet reaped by the raylet)."""
+def _private_instance_processes() -> list:
+    """The processes of the Ray instance this process started: its descendants in a session
+    of their own (ensure_ray's _own_session), the workers the raylet started included."""
+    import psutil
+
+    mine = os.getsid(0)
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(proc.pid) != mine:
+                found.append(proc)
+    return found
+
+
+def _reap(procs: list, deadline: float) -> None:
+    """Waits for `procs` to end until `deadline` (at least half a second), then kills those left: a
+    worker that Ray's shutdown left behind must not outlive the deployment."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=max(0.5, deadline - time.monotonic()))
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            logger.warning("killing %s (pid %d), still running after the Ray instance stopped", proc.name(),
+                           proc.pid)
+            proc.kill()
+    psutil.wait_procs(alive, timeout=1.0)
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+def _free_ports(host: str, count: int) -> tuple[int, ...]:
+    """Free ports of `host` below the kernel's ephemeral range: a peer reconnecting to a port
+    while nobody listens on it (a router restarting) can never be handed it as its own source
+    port (a TCP self-connection, which would swallow its messages)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:  # no /proc: only Ray's answer counts
-        return True
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return tuple(ports)
 
 
-def _wait_for_exit(actor) -> None:
+def _wait_for_exit(actor, deadline: float) -> None:
     try:
-        ray.get(actor.__ray_ready__.remote(), timeout=STOP_TIMEOUT_S)
+        ray.get(actor.__ray_ready__.remote(), timeout=_left(deadline))
     except ray.exceptions.RayActorError:
         return  # it exited
     except (ray.exceptions.RayError, TimeoutError):
         pass
     ray.kill(actor, no_restart=True)  # still there: it did not exit in time
-
-
-def _rank_device(config: EngineConfig) -> str:
-    # Inside its GPU bundle a rank sees only its own device, as cuda:0.
-    return "cuda" if config.torch_device().type == "cuda" else "cpu"

@@ -19,16 +19,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
-from deepinfer_dp.cluster.policies import RoutingPolicy
+from deepinfer_dp.cluster.policies import RoutingPolicy, make_policy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
+from deepinfer_dp.config_file import RouterSection
 
 logger = logging.getLogger(__name__)
 CLIENT_TIMEOUT_S = 30.0
@@ -43,20 +46,26 @@ class _Client:
 
 
 class Router:
-    def __init__(self, policy: RoutingPolicy, host: str = "127.0.0.1", collective_timeout_s: float = 30.0,
+    def __init__(self, settings: RouterSection, policy: RoutingPolicy | None = None, host: str = "127.0.0.1",
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 max_rank_restarts: int = 0, key: ClusterKey | None = None) -> None:
-        self.policy = policy
+                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
+        """`settings`: the deployment's router section; `policy` (tests) replaces its policy."""
+        self.policy = policy if policy is not None else make_policy(settings.policy)
         self.host = host
-        self._plane = DataPlane(key)  # `key`: every peer must hold it (cluster/data_plane.py)
-        self._frontend = self._bind()  # clients -> router
-        self._backend = self._bind()  # ranks -> router
-        self.frontend_address = self._frontend.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backend_address = self._backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
+        self._plane = DataPlane(key, ROUTER)  # `key`: peers by role (cluster/data_plane.py)
+        # clients -> router, ranks -> router; a frame that does not decode, or comes from the
+        # wrong role, is dropped and counted (cluster/inbox.py)
+        self._frontend = Inbox(self._plane, host, p.frontend_decoder, p.FROM_CLIENT_SENDERS, "router frontend",
+                               port=ports[0], RCVHWM=0)
+        self._backend = Inbox(self._plane, host, p.router_decoder, p.FROM_RANK_SENDERS, "router backend",
+                              port=ports[1], RCVHWM=0)
+        self.frontend_address = self._frontend.address
+        self.backend_address = self._backend.address
         self._lock = threading.RLock()
         self.waves = Waves()
-        self.membership = Membership(self._plane, self._lock, self.waves, host, collective_timeout_s,
-                                     on_down=self._fail_requests_of, max_restarts=max_rank_restarts)
+        self.membership = Membership(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
+                                     on_down=self._fail_requests_of, max_restarts=settings.max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
         self._requests: dict[str, tuple[str, int]] = {}  # request id -> (client id, dp rank)
@@ -66,11 +75,12 @@ class Router:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def _bind(self) -> zmq.Socket:
-        return self._plane.bound(zmq.PULL, self.host, RCVHWM=0)
-
-    def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None) -> None:
-        self.membership.attach(addresses, liveness)
+    def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None, up: list[bool] | None = None,
+                     wave: int = 0) -> None:
+        """The ranks; `up` and `wave` (the latest any rank is at) when a restarted router takes
+        over running ranks."""
+        self.membership.attach(addresses, liveness, up)
+        self.waves.wave = max(self.waves.wave, wave)
 
     def start(self) -> Router:
         """Runs the loop and the health checks on background threads."""
@@ -83,32 +93,39 @@ class Router:
     # ---- the loop --------------------------------------------------------------------------
     def serve_forever(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._frontend, zmq.POLLIN)
-        poller.register(self._backend, zmq.POLLIN)
+        poller.register(self._frontend.socket, zmq.POLLIN)
+        poller.register(self._backend.socket, zmq.POLLIN)
         last_sweep = time.monotonic()
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
             with self._lock:
-                if self._backend in ready:
-                    self._drain(self._backend, p.router_decoder, self._on_rank_message)
-                if self._frontend in ready:
-                    self._drain(self._frontend, p.frontend_decoder, self._on_client_message)
+                if self._backend.socket in ready:
+                    self._drain(self._backend, self._on_rank_message)
+                if self._frontend.socket in ready:
+                    self._drain(self._frontend, self._on_client_message)
                 for client_id, reply in self.stats.ready(self.membership.health()):
                     self._to_client(client_id, reply)
                 if time.monotonic() - last_sweep > 1.0:
                     last_sweep = time.monotonic()
                     self._drop_silent_clients()
 
-    def _drain(self, sock: zmq.Socket, decoder, handle) -> None:
+    def _drain(self, inbox: Inbox, handle) -> None:
         while True:
             try:
-                raw = sock.recv(zmq.NOBLOCK)
+                got = inbox.recv(zmq.NOBLOCK)  # None: a frame dropped (malformed, wrong sender)
             except zmq.Again:
                 return
             try:
-                handle(decoder.decode(raw), raw)
-            except Exception:  # a malformed or unexpected message must not end the router
+                if got is not None:
+                    handle(*got)
+            except Exception:  # a message the router cannot act on must not end the router
                 logger.exception("dropping a message the router could not handle")
+
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames the router's two sockets dropped, and handshakes its ZAP handler refused."""
+        return {"malformed": self._frontend.dropped["malformed"] + self._backend.dropped["malformed"],
+                "unauthorized": self._frontend.dropped["unauthorized"] + self._backend.dropped["unauthorized"],
+                "refused_handshakes": self._plane.refused}
 
     # ---- from the clients --------------------------------------------------------------------
     def _on_client_message(self, msg, raw: bytes) -> None:
@@ -127,7 +144,7 @@ class Router:
             self.stats.start(msg.client_id, msg.query_id, self.membership.up())
         elif isinstance(msg, p.HealthQuery):
             self._to_client(msg.client_id, p.HealthReply(msg.query_id, self.membership.health(),
-                                                         self.membership.group_failures))
+                                                         self.membership.group_failures, self.router_id))
         elif isinstance(msg, p.Goodbye):
             self._drop_client(msg.client_id)
 
@@ -135,7 +152,7 @@ class Router:
         if msg.client_id in self._clients:
             return
         # no high-water mark: never block the loop on a slow client
-        self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, SNDHWM=0))
+        self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, CLIENT, SNDHWM=0))
 
     def _dispatch(self, msg: p.AddRequest, client: _Client) -> None:
         """Sharding: the policy picks a rank among those up; the others are woken."""
@@ -196,15 +213,22 @@ class Router:
                     rid, "rank_failed", f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
 
     def _deliver(self, msg: p.Deltas, raw: bytes) -> None:
-        """Each client gets its own requests' deltas; a delta of an aborted request is dropped."""
+        """Each client gets its own requests' deltas; a delta of an aborted request is dropped,
+        and one of a request this router never saw (its predecessor's, before a restart) is
+        aborted on its rank."""
         per_client: dict[str, list] = defaultdict(list)
+        unknown = []
         for delta in msg.deltas:
             entry = self._requests.get(delta.request_id)
             if entry is None:
+                if not delta.finished:
+                    unknown.append(delta.request_id)
                 continue
             if delta.finished:
                 self._forget(delta.request_id)
             per_client[entry[0]].append(delta)
+        if unknown and 0 <= msg.dp_rank < len(self.membership.ranks) and self.membership.ranks[msg.dp_rank].up:
+            self.membership.ranks[msg.dp_rank].send(p.Abort(unknown))
         if len(per_client) == 1 and sum(map(len, per_client.values())) == len(msg.deltas):
             client_id = next(iter(per_client))  # the common case: pass the message on as it came
             self._to_client_raw(client_id, raw)
@@ -274,6 +298,6 @@ class Router:
             for client in self._clients.values():
                 client.socket.close(linger=0)
             self._clients.clear()
-        self._frontend.close(linger=0)
-        self._backend.close(linger=0)
+        self._frontend.close()
+        self._backend.close()
         self._plane.close()

@@ -1,11 +1,15 @@
 """The client side of the router process: an EngineClient for an API server, and a thread-safe
 submit / abort / query core for the offline driver (cluster/dp_driver.py).
 
-A request is validated here (the InputProcessor) before it goes on the wire, so the router
-and the ranks only ever see requests that can run. One receiver thread reads the replies and
+A request comes to submit() / generate() validated: its callers (DPDriver.add_request, the
+OpenAI server's prepare) ran `input_processor.process` on it once, so the router and the
+ranks trust it and only ever see requests that can run. One receiver thread reads the replies and
 hands each request's deltas to its sink; it also sends the heartbeat (a HealthQuery every
-second). If the router stops answering for `router_timeout_s`, every waiting request fails
-with NoCapacity and health() reports every rank down, until it answers again.
+second, after a Hello: a router process that Ray restarted learns of this client from it).
+If the router stops answering for `router_timeout_s`, every waiting request fails with
+NoCapacity and health() reports every rank down, until it answers again. A health reply with a
+new router_id means the router restarted and forgot the requests in flight: they fail at once
+with RankFailed (a clean error, never a stream that waits forever).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane
+from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.engine.client import (
     NoCapacity,
     RankFailed,
@@ -49,9 +54,10 @@ class RouterClient:
         self.max_model_len = max_model_len
         self.input_processor = input_processor
         self.client_id = uuid.uuid4().hex[:16]
-        self._plane = DataPlane(key)  # `key`: the router only takes peers holding it
-        self._inbox = self._plane.bound(zmq.PULL, host, RCVHWM=0)
-        self._outbox = self._plane.connected(zmq.PUSH, frontend_address, SNDHWM=0)
+        self._plane = DataPlane(key, CLIENT)  # `key`: peers by role (cluster/data_plane.py)
+        # Only the router may send here; a frame that does not decode is dropped and counted.
+        self._inbox = Inbox(self._plane, host, p.client_decoder, p.TO_CLIENT_SENDERS, "router client", RCVHWM=0)
+        self._outbox = self._plane.connected(zmq.PUSH, frontend_address, ROUTER, SNDHWM=0)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the sinks and the replies
         self._sinks: dict[str, Sink] = {}
@@ -61,9 +67,11 @@ class RouterClient:
         self._router_timeout_s = router_timeout_s
         self._last_heard = time.monotonic()
         self._last_health: list[dict] = []
+        self._router_id = ""  # the router process's, from its health replies
+        self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
         self._stop = threading.Event()
-        self._send(p.Hello(self.client_id, self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._send(p.Hello(self.client_id, self._address))
         self._thread = threading.Thread(target=self._receive_loop, name="router-client", daemon=True)
         self._thread.start()
 
@@ -92,6 +100,10 @@ class RouterClient:
             raise NoCapacity(f"the router did not answer a stats query within {timeout_s:.0f}s")
         return reply.stats
 
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames this client's inbox dropped (malformed, wrong sender), handshakes it refused."""
+        return {**self._inbox.dropped, "refused_handshakes": self._plane.refused}
+
     def router_down(self) -> bool:
         return time.monotonic() - self._last_heard > self._router_timeout_s
 
@@ -105,6 +117,17 @@ class RouterClient:
                                                                                                   item))
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
             yield delta
+
+    def fail_inflight(self, error: Exception) -> int:
+        """Ends every request in flight with `error` (the server's drain time is over) and
+        aborts them on their ranks; returns how many there were."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        if sinks:
+            self._send(p.Abort(list(sinks), self.client_id))
+        for sink in sinks.values():
+            _call(sink, error)
+        return len(sinks)
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync([request_id])
@@ -126,7 +149,7 @@ class RouterClient:
         self._stop.set()
         self._send(p.Goodbye(self.client_id))
         self._thread.join(timeout=5)
-        self._inbox.close(linger=0)
+        self._inbox.close()
         self._outbox.close(linger=500)
         self._plane.close()
 
@@ -135,20 +158,23 @@ class RouterClient:
     def _receive_loop(self) -> None:
         last_beat = 0.0
         while not self._stop.is_set():
-            if self._inbox.poll(100):
-                self._last_heard = time.monotonic()
+            if self._inbox.socket.poll(100):
                 while True:
                     try:
-                        raw = self._inbox.recv(zmq.NOBLOCK)
+                        got = self._inbox.recv(zmq.NOBLOCK)  # None: a frame dropped (malformed)
                     except zmq.Again:
                         break
+                    if got is None:
+                        continue
+                    self._last_heard = time.monotonic()  # only a message that decoded says the router lives
                     try:
-                        self._on_message(p.client_decoder.decode(raw))
+                        self._on_message(got[0])
                     except Exception:  # one bad message must not end the receiver thread
                         logger.exception("dropping a message from the router")
             now = time.monotonic()
             if now - last_beat > HEARTBEAT_S:
                 last_beat = now
+                self._send(p.Hello(self.client_id, self._address))  # known already: a no-op
                 self._send(p.HealthQuery(self.client_id, -1))
                 if self.router_down():
                     self._fail_all(NoCapacity(f"the router has not answered for over "
@@ -170,6 +196,7 @@ class RouterClient:
         elif isinstance(msg, (p.StatsReply, p.HealthReply)):
             if isinstance(msg, p.HealthReply):
                 self._last_health, self.group_failures = msg.ranks, msg.group_failures
+                self._check_router_id(msg.router_id)
             if msg.query_id >= 0:
                 with self._lock:
                     self._replies[msg.query_id] = msg
@@ -182,11 +209,18 @@ class RouterClient:
             self._reply_ready.wait_for(lambda: qid in self._replies, timeout_s)
             return self._replies.pop(qid, None)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _check_router_id(self, router_id: str) -> None:
+        previous, self._router_id = self._router_id, router_id
+        if previous and router_id != previous:
+            n = self._fail_all(RankFailed("the router process restarted; this request was lost with it"))
+            logger.warning("the router process restarted: %d request(s) in flight failed", n)
+
+    def _fail_all(self, error: Exception) -> int:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             _call(sink, error)
+        return len(sinks)
 
     def _send(self, msg) -> None:
         with self._send_lock:

@@ -1,16 +1,25 @@
-"""The one validator of a request, run before anything is queued anywhere.
+"""The one validator of a request, run once before anything is queued anywhere.
 
-Every front door calls it: LLMEngine.add_request (offline, torchrun, a rank), the router
-client (the offline DP driver and the API servers, before a request goes on the wire) and the
-OpenAI server (to answer 400 with the offending parameter). Whatever it accepts, everything
-after it trusts: no later stage may fail on a request's own values. So it checks what a
-later stage would choke on: the sampling values and their ranges (SamplingParams.verify,
-seeds within 64 bits), a structured-output schema, regex or grammar that does not parse,
-the prompt (non-empty, token ids inside the vocabulary, room left
-under max_model_len), stop token ids, and, where the API asks for it, that max_tokens fits.
+`InputProcessor.process` is where a request's values are checked, and the only place: it
+runs `SamplingParams.verify` (the sampling values and their ranges, seeds within 64 bits),
+then what needs the model (stop token ids and logit_bias keys inside the vocabulary, a
+structured-output schema, regex, choice or grammar that parses and stays within the grammar
+bounds, the prompt: non-empty, token ids inside the vocabulary, room left under
+max_model_len) and, where the API asks for it, that max_tokens fits. Every failure is an
+`InvalidRequest` whose `param` names the field at fault.
 
-The C++ scheduler keeps its own checks on what crosses the binding; they are the last guard,
-never the first: a request that reaches them has already passed here.
+Each front door calls it once per prompt, and everything after it trusts the request:
+  - offline: `LLM.generate` (entrypoints/llm.py) validates each prompt with its params, then
+    submits the n samples with `add_checked` (the engine, or the DP driver);
+  - `LLMEngine.add_request` and `DPDriver.add_request` (the public one-request API) validate,
+    then `add_checked`;
+  - the OpenAI server validates in `prepare` (serving_engine.check_request), then hands the
+    choices to its EngineClient (the in-process engine's `add_checked`, or the router client);
+  - a rank admits a router's `AddRequest` with `add_checked` without validating again: only
+    peers holding the cluster's data-plane key (the API servers and the DP driver, which
+    validated it) can send one (cluster/data_plane.py).
+No later stage may fail on a request's own values. The C++ scheduler keeps its own checks on
+what crosses the binding; they are the last guard, never the first.
 """
 
 from __future__ import annotations
@@ -18,30 +27,37 @@ from __future__ import annotations
 from collections.abc import Iterable
 from numbers import Integral
 
-from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.sampling_params import InvalidRequest, SamplingParams
+from deepinfer_dp.structured_output import limits
 
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot run; `param` names the request field at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["InputProcessor", "InvalidRequest"]
 
 
 class InputProcessor:
-    def __init__(self, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, sampling_defaults: dict | None = None) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # The model's sampling defaults (engine/sampling_defaults.py): what a request that
+        # sets a field leaves unset gets; carried here so that every front end has them.
+        self.sampling_defaults = dict(sampling_defaults or {})
+
+    def default_params(self) -> SamplingParams:
+        """The params of a request that sets none (vLLM's LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def process(self, prompt_token_ids: Iterable[int], params: SamplingParams, which: str | None = None,
-                max_tokens_must_fit: bool = False) -> tuple[list[int], SamplingParams]:
-        """Checks one engine request (n=1). Returns the prompt as plain ints and a copy of the
-        params with max_tokens resolved (None: as many as fit). `which` names the prompt in
-        messages ("prompt 2"); with `max_tokens_must_fit` (the OpenAI API) a max_tokens past
-        the context is refused instead of cut at max_model_len."""
+                max_tokens_must_fit: bool = False, one_sample: bool = False) -> tuple[list[int], SamplingParams]:
+        """Checks one request. Returns the prompt as plain ints and a copy of the params with
+        max_tokens resolved (None: as many as fit). `which` names the prompt in messages
+        ("prompt 2"); with `max_tokens_must_fit` (the OpenAI API) a max_tokens past the
+        context is refused instead of cut at max_model_len. n may be above 1 (unless
+        `one_sample`): the caller expands the samples (SamplingParams.for_sample), which need
+        no further check."""
         params = self._check_params(params)
-        ids = self.check_prompt(prompt_token_ids, which)
+        if one_sample and params.n != 1:
+            raise InvalidRequest(f"an engine request has n=1, got {params.n} (LLM.generate and the server "
+                                 f"expand n)", "n")
+        ids = self._check_prompt(prompt_token_ids, which)
         room = self.max_model_len - len(ids)
         if params.max_tokens is None:
             params.max_tokens = room
@@ -53,8 +69,7 @@ class InputProcessor:
                 f"max_tokens.", "max_tokens")
         return ids, params
 
-    def check_prompt(self, prompt_token_ids: Iterable[int], which: str | None = None) -> list[int]:
-        """The prompt as a list of ints, or InvalidRequest naming what is wrong with it."""
+    def _check_prompt(self, prompt_token_ids: Iterable[int], which: str | None = None) -> list[int]:
         where = f"{which}: " if which else ""
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Iterable):
             raise InvalidRequest(f"{where}a prompt must be a list of token ids, got "
@@ -70,34 +85,25 @@ class InputProcessor:
         for i, t in enumerate(ids):
             # bool is an int subclass: True must not become token 1
             if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < self.vocab_size:
-                raise InvalidRequest(f"{where}token id {t!r} at position {i} is outside the vocabulary "
+                shown = t if isinstance(t, Integral) and abs(t) < 2**64 else type(t).__name__
+                raise InvalidRequest(f"{where}token id {shown!r} at position {i} is outside the vocabulary "
                                      f"[0, {self.vocab_size})", "prompt")
         return [int(t) for t in ids]
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params = params.clone()  # verified again: fields may have been set after construction
-        try:
-            params.verify()
-        except ValueError as e:
-            name = str(e).split()[0].removeprefix("SamplingParams.")
-            raise InvalidRequest(str(e).removeprefix("SamplingParams."), name) from None
-        if params.n != 1:
-            raise InvalidRequest(f"an engine request has n=1, got {params.n} (LLM.generate and the server "
-                                 f"expand n)", "n")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                 "stop_token_ids")
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                 "logit_bias")
+        params = params.clone()  # the caller's object stays as given; the engine keeps this copy
+        params.verify()
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                shown = bad[0] if bad[0] < 2**64 else f"of {bad[0].bit_length()} bits"
+                raise InvalidRequest(f"{name}: token id {shown} is outside the vocabulary [0, {self.vocab_size})",
+                                     name)
         if params.structured_outputs is not None:
-            from deepinfer_dp.structured_output import backend  # the grammar library, loaded when used
             try:
-                backend.check(params.structured_outputs)
+                limits.check(params.structured_outputs)
             except ValueError as e:
                 raise InvalidRequest(str(e), f"structured_outputs.{params.structured_outputs.kind}") from None
         return params

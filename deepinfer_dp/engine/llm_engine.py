@@ -32,11 +32,13 @@ from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.input_processor import InputProcessor, InvalidRequest
 from deepinfer_dp.engine.outputs import OwnedOutput
+from deepinfer_dp.engine.sampling_defaults import checked_sampling_defaults
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
-from deepinfer_dp.models import load_model, max_context_len
+from deepinfer_dp.models import LoadedModel, load_model, max_context_len
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode import speculator
+from deepinfer_dp.spec_decode.proposer import DraftTarget, ProposerContext
 from deepinfer_dp.structured_output.backend import GrammarBackend
 from deepinfer_dp.structured_output.manager import StructuredOutputManager
 from deepinfer_dp.worker.model_runner import ModelRunner, check_kv_capacity, kv_cache_dtype_for, num_kv_blocks_for
@@ -65,17 +67,20 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = config.torch_device()
         expert_shard = (config.dp_rank, config.dp_size) if config.enable_expert_parallel else (0, 1)
-        loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights, expert_shard)
+        spec = config.speculative_config
+        loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights, expert_shard,
+                            mtp=spec is not None and spec.method == "mtp")
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
         self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
-        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.vocab_size, self.max_model_len,
+                                              checked_sampling_defaults(config.generation_config, loaded.model_dir))
         # a draft model's (or MTP head's) own KV cache comes out of the same budget
-        draft_per_block = speculator.kv_bytes_per_block(config.speculative_config, self.hf_config,
-                                                        config.block_size, config.torch_dtype())
+        draft_per_block = speculator.kv_bytes_per_block(spec, self.hf_config, config.block_size,
+                                                        config.torch_dtype())
         cache_dtype = kv_cache_dtype_for(config, self.hf_config)
         num_blocks = num_kv_blocks_for(config, loaded, cache_dtype, self.max_model_len, draft_per_block)
         check_kv_capacity(config, loaded, cache_dtype, num_blocks, self.max_model_len, draft_per_block)
@@ -85,7 +90,7 @@ class LLMEngine:
             vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
         self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
         self.requests: dict[str, RequestState] = {}
-        self.speculator = speculator.for_engine(config.speculative_config, self)
+        self.speculator = None if spec is None else self._build_speculator(spec, loaded)
         # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.
         self.lockstep: Lockstep | None = None
         self._finished: list[str] = []
@@ -98,17 +103,28 @@ class LLMEngine:
         self.placeholder_steps = 0
         self.requests_failed = 0
 
+    def _build_speculator(self, spec: speculator.SpeculativeConfig, loaded: LoadedModel) -> speculator.Speculator:
+        """The proposer gets what it may use of this engine (ProposerContext), not the engine."""
+        runner, cfg = self.worker.runner, self.config
+        ctx = ProposerContext(runner.num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cpu_linear_kernel,
+                              self.requests, self.worker.run_on_device, runner.thread_plan)
+        target = DraftTarget(self.vocab_size, self.tokenizer.get_vocab, self.max_model_len, cfg.torch_dtype(),
+                             self.device, cfg.packed_weights, loaded.mtp)
+        return speculator.build_speculator(spec, ctx, target, self.scheduler)
+
     # ---- admission ---------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
-        """Tokenizes if needed, gives the next integer id, validates (InputProcessor) and
-        enqueues. No model work. Bad input raises InvalidRequest (a ValueError) naming the
-        problem, and nothing is queued: everything that can fail runs before the C++ enqueue."""
+        """Tokenizes if needed, validates (InputProcessor.process, InvalidRequest) and add_checked."""
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequest("add_request needs a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = self.tokenizer(prompt).input_ids
-        ids, params = self.input_processor.process(prompt_token_ids, sampling_params or SamplingParams())
+        params = sampling_params if sampling_params is not None else self.input_processor.default_params()
+        return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
+
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Enqueues a request (n=1) that passed InputProcessor.process; no check again, no model work."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequest(f"request {request_id} is already running")
@@ -199,7 +215,8 @@ class LLMEngine:
         if sched_out.is_empty():
             self.placeholder_steps += 1
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
-        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, speculative=speculating)
+        observer = self.speculator.observer_for(speculating, sched_out.is_empty()) if self.speculator else None
+        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, observer=observer)
         if self.speculator is not None:
             self.speculator.after_step(sched_out, speculating)
         self.generate_step += 1

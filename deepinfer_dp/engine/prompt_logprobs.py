@@ -2,9 +2,10 @@
 token given the tokens before it, plus the k most likely alternatives at each position.
 
 A prefill step computes them for the prompt positions it feeds: before the forward, the
-engine names those token rows in a PromptLogprobsSpec; ModelRunner.forward fills the spec's
-result; post-processing copies it into the request's PromptLogprobs. The first output of the
-request carries the whole array (RequestOutput.prompt_logprobs).
+engine names those token rows in a PromptLogprobsSpec (build_spec); ModelRunner.forward fills
+the spec's result (worker/prompt_logprobs.py); post-processing copies it into the request's
+PromptLogprobs (absorb). The first output of the request carries the whole array
+(RequestOutput.prompt_logprobs).
 
 Invariants: logits at position p predict prompt token p + 1, so positions 0 .. prompt_len - 2
 are needed and the last prompt position is the ordinary first sample. A request asking for
@@ -21,25 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
-@dataclass
-class PromptLogprobsResult:
-    """One step's prompt logprobs, row for row with the spec (host arrays)."""
-
-    logprobs: np.ndarray  # float32 [M]: the target token's logprob
-    top_ids: np.ndarray  # int64 [M, k]
-    top_logprobs: np.ndarray  # float32 [M, k]
-
-
-@dataclass
-class PromptLogprobsSpec:
-    """Which token rows of a prefill step need prompt logprobs; ModelRunner.forward sets `result`."""
-
-    rows: torch.Tensor  # int64 [M]: rows of the step's flat token batch
-    targets: torch.Tensor  # int64 [M]: the prompt token that each row's logits predict
-    k: int  # most alternatives any of the step's requests asked for
-    segments: list[tuple[str, int, int]]  # (request id, first prompt position, count), in row order
-    result: PromptLogprobsResult | None = None
+from deepinfer_dp.worker.prompt_logprobs import PromptLogprobsSpec
 
 
 @dataclass
@@ -102,17 +85,3 @@ def absorb(spec: PromptLogprobsSpec, states: dict[str, PromptLogprobs]) -> None:
             state.top_logprobs[lo: lo + n] = res.top_logprobs[row: row + n, : state.k]
             state.filled = max(state.filled, lo + n)
         row += n
-
-
-def compute(compute_logits, hidden: torch.Tensor, spec: PromptLogprobsSpec, rows_per_slice: int = 256) -> None:
-    """Fills spec.result from the step's hidden states. Slices of rows bound the memory: a
-    2048-token chunk's full logits would be 2048 x vocab floats at once."""
-    lps, ids, vals = [], [], []
-    for s in range(0, spec.rows.numel(), rows_per_slice):
-        logprobs = compute_logits(hidden[spec.rows[s: s + rows_per_slice]]).float().log_softmax(dim=-1)
-        lps.append(logprobs.gather(1, spec.targets[s: s + rows_per_slice].unsqueeze(1)).squeeze(1))
-        top = logprobs.topk(spec.k, dim=-1)
-        ids.append(top.indices)
-        vals.append(top.values)
-    spec.result = PromptLogprobsResult(torch.cat(lps).cpu().numpy(), torch.cat(ids).cpu().numpy(),
-                                       torch.cat(vals).cpu().numpy())

@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.distributed.groups import torchrun_env
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
 from deepinfer_dp.engine.stop_strings import truncate_at_stop
-from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.sampling_params import InvalidRequest, SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
 
 
@@ -29,10 +30,11 @@ class LLM:
     """`LLM(model=None)` serves the default SmolLM2-135M-Instruct; `model` may be a Hugging
     Face directory or a .gguf file; other keywords are EngineConfig options."""
 
-    def __init__(self, model: str | None = None, decode_sequence: bool = True, dp_options: dict | None = None,
-                 **engine_options) -> None:
-        """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`:
-        policy, address, strategy, collective_timeout_s, host; see cluster/dp_driver.py).
+    def __init__(self, model: str | None = None, decode_sequence: bool = True,
+                 dp_options: DPSettings | dict | None = None, **engine_options) -> None:
+        """dp_size > 1 starts that many ranks as Ray actors behind a router (`dp_options`: the
+        router and Ray sections of config_file.py, or a dict of their fields' names, e.g.
+        {"policy": "least_loaded", "max_rank_restarts": 0}; see DPSettings.of).
         Under torchrun, each process is one DP rank and calls generate on its own shard."""
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.decode_sequence = decode_sequence
@@ -46,7 +48,7 @@ class LLM:
             self.llm_engine = self._loop.engine
         elif config.dp_size > 1:
             from deepinfer_dp.cluster.dp_driver import DPDriver
-            self.dp = DPDriver(config, **(dp_options or {}))
+            self.dp = DPDriver(config, DPSettings.of(dp_options))
         else:
             self.llm_engine = LLMEngine(config)
             self._loop = StepLoop(self.llm_engine)
@@ -64,6 +66,16 @@ class LLM:
     def get_tokenizer(self):
         return self._submitter.tokenizer
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling fields the model's generation config sets (empty: neutral defaults)."""
+        return dict(self._submitter.input_processor.sampling_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no params: the model's generation_config.json
+        values (EngineConfig.generation_config, "auto"), or neutral ones ("vllm"), as vLLM."""
+        return self._submitter.input_processor.default_params()
+
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list:
@@ -76,7 +88,8 @@ class LLM:
         num = len(prompts) if prompts is not None else len(prompt_token_ids)
         if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != num:
             raise ValueError(f"got {num} prompts but {len(prompt_token_ids)} prompt_token_ids")
-        params = _per_prompt_params(sampling_params, num)
+        params = _per_prompt_params(self.get_default_sampling_params() if sampling_params is None else sampling_params,
+                                    num)
         owners = self._add_requests(prompts, prompt_token_ids, params)
         outputs = self._run_engine(use_tqdm, len(owners))
         return self._collect(outputs, owners, params, num)
@@ -92,22 +105,27 @@ class LLM:
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams]) -> dict[str, int]:
-        """Adds every request before any model work; maps request id -> prompt index.
-        A bad prompt raises ValueError naming its index, and the ones already added are
-        aborted, so nothing is left half-submitted."""
+        """Adds every request before any model work; maps request id -> prompt index. Each
+        prompt is validated once with its params (InputProcessor.process), and its n samples
+        are submitted as checked requests. A bad prompt raises InvalidRequest naming its index
+        and the field, and the ones already added are aborted, so nothing is left half-submitted."""
         owners: dict[str, int] = {}
+        processor = self._submitter.input_processor
         try:
             for i, p in enumerate(params):
-                for sample in range(p.n):
-                    single = p.for_sample(sample)
-                    rid = self._submitter.add_request(
-                        None if prompts is None else prompts[i], single,
-                        None if prompt_token_ids is None else prompt_token_ids[i])
-                    owners[rid] = i
+                ids = prompt_token_ids[i] if prompt_token_ids is not None else self._tokenize(prompts[i])
+                ids, checked = processor.process(ids, p)
+                for sample in range(checked.n):
+                    owners[self._submitter.add_checked(ids, checked.for_sample(sample))] = i
         except ValueError as e:
             self._submitter.abort_request(list(owners))
-            raise ValueError(f"prompt {i}: {e}") from e
+            raise InvalidRequest(f"prompt {i}: {e}", getattr(e, "param", None)) from e
         return owners
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"a prompt must be a string, got {type(prompt).__name__}", "prompt")
+        return self.get_tokenizer()(prompt).input_ids
 
     def _run_engine(self, use_tqdm: bool, num_requests: int) -> dict[str, list]:
         pbar = tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm)

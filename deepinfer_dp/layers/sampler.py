@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.rejection_sampler import DraftRows, verify
+from deepinfer_dp.layers.sampling_filters import apply_min_p, apply_top_k_top_p
 from deepinfer_dp.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer_dp.spec_decode.rejection import DraftRows
     from deepinfer_dp.structured_output.manager import GrammarMask
 
 # Exponential noise of exactly 0 would turn a 0-probability token into 0/0=NaN,
@@ -113,7 +114,7 @@ class SamplingBatch:
         return self
 
     def with_drafts(self, draft: "DraftRows | None") -> "SamplingBatch":
-        """Adds the rows whose drafts need the min(1, p/q) test (spec_decode/rejection.py)."""
+        """Adds the rows whose drafts need the min(1, p/q) test (rejection_sampler.py)."""
         if draft is not None and draft.rows.numel():
             self.draft = draft
         return self
@@ -271,8 +272,6 @@ class Sampler:
         # and needs no normalization, so filtered (zeroed) tokens never win.
         ids = probs.div_(noise).argmax(dim=-1)
         if draft_p is not None:
-            from deepinfer_dp.spec_decode.rejection import verify  # (it imports this module)
-
             ids[batch.draft.rows] = verify(draft_p, batch.draft)
         # A row whose logits were all -inf (or held NaN/inf) has NaN probs; fall
         # back to the raw top token rather than an arbitrary id. No `.any()`
@@ -318,35 +317,6 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     sub -= batch.frequency_penalty.unsqueeze(1) * counts
     sub -= batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
     logits[rows] = sub
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
-    """Set logits outside each row's top-k / top-p nucleus to -inf, in place.
-
-    The row's best token always survives, so no row is left empty.
-    """
-    # Stable descending sort: among equal logits the lower id ranks first,
-    # matching argmax's tie rule.
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        drop |= ranks.unsqueeze(0) >= top_k.unsqueeze(1)
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p == 1 keep everything: cumsum rounding could otherwise
-        # exceed 1.0 and drop the tail.
-        drop |= (mass_before > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    drop[:, 0] = False
-    logits.scatter_(1, order, sorted_logits.masked_fill_(drop, float("-inf")))
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Zero tokens below min_p times the row's top probability, in place."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    probs.masked_fill_(probs < threshold, 0.0)
 
 
 def _exponential_noise(

@@ -43,6 +43,8 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
      "CPU: time the rank's compute thread spent in forward passes and sampling."),
     ("requests_failed", "counter", "requests_failed",
      "Requests finished with an error inside the engine; the engine kept serving the others."),
+    ("data_plane_dropped_frames", "counter", "dropped_frames",
+     "Data-plane frames the rank dropped: they did not decode, or came from a peer that may not send them."),
     # speculative decoding, as vLLM names it (zero when it is off)
     ("spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Draft runs verified (one per sequence and step)."),
     ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),

@@ -36,7 +36,6 @@ from deepinfer_dp.layers.rotary import RotaryEmbedding
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from deepinfer_dp.models.moe_models import MoeForCausalLM
 
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -145,7 +144,6 @@ def interleaved_rope(config) -> bool:
 
 
 class DeepseekForCausalLM(MoeForCausalLM):
-    model_types = DEEPSEEK_MODEL_TYPES
     # The MTP layer drafting for this model (spec_decode/mtp.py attaches it; a tuple, so not a
     # submodule): its MoE dispatches over the same EP group as the decoder's.
     nextn: tuple = ()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,19 +32,23 @@ from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.deepseek import DeepseekDecoderLayer, interleaved_rope, rope_rows_to_rotate_half
 from deepinfer_dp.models.llama import head_dim
+from deepinfer_dp.models.weights import iterate_weights
 
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = {"gate_proj": 0, "up_proj": 1}
 _SHARED_WITH_MAIN = ("embed_tokens.weight", "shared_head.head.weight")
 
 
+def check_mtp_config(config) -> None:
+    if config.model_type != "deepseek_v3" or not getattr(config, "num_nextn_predict_layers", 0):
+        raise ValueError("speculative_config method 'mtp' needs a DeepSeek-V3 model whose config has "
+                         "num_nextn_predict_layers >= 1 (its checkpoint stores the next-n layer)")
+
+
 class DeepseekMTP(nn.Module):
-    def __init__(self, config, embed_tokens: nn.Embedding, lm_head: nn.Module,
-                 expert_shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, config, target: nn.Module, expert_shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
-        if config.model_type != "deepseek_v3" or not getattr(config, "num_nextn_predict_layers", 0):
-            raise ValueError("speculative_config method 'mtp' needs a DeepSeek-V3 model whose config has "
-                             "num_nextn_predict_layers >= 1 (its checkpoint stores the next-n layer)")
+        check_mtp_config(config)
         self.config = config
         self.layer_index = config.num_hidden_layers
         self.context = ForwardContext()
@@ -54,8 +59,9 @@ class DeepseekMTP(nn.Module):
         rotary = RotaryEmbedding(head_dim(config), config.max_position_embeddings, rope_parameters(config))
         self.block = DeepseekDecoderLayer(config, self.context, rotary, self.layer_index, expert_shard)
         self.shared_head_norm = RMSNorm(hidden, config.rms_norm_eps)
-        # Not submodules: the main model's, shared (and not loaded twice).
-        self._shared = (embed_tokens, lm_head)
+        # The target's embedding and head, shared (not loaded twice), not a submodule: read
+        # where used, since the runner swaps the target's head for the CPU kernel's after loading.
+        self._target = (target,)
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
         self.block.self_attn.cache = cache
@@ -73,10 +79,6 @@ class DeepseekMTP(nn.Module):
         """Dispatches over the target's `dispatcher` (None: local experts); a group of another
         (rank, size) than the experts held -- re-formed after a rank died -- reloads them
         from the checkpoint in `source_dir` first."""
-        from pathlib import Path
-
-        from deepinfer_dp.models.loader import iterate_weights
-
         experts = self.experts
         if experts is None:
             return
@@ -97,7 +99,7 @@ class DeepseekMTP(nn.Module):
             self.block.mlp.counted = not attn_metadata.is_placeholder
         if self.dispatcher is not None:
             self.dispatcher.begin_step(input_ids.shape[0])
-        embeds = self._shared[0](input_ids)
+        embeds = self._target[0].model.embed_tokens(input_ids)
         embeds = torch.where(positions[:, None] == 0, torch.zeros_like(embeds), embeds)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden)], dim=-1))
         self.context.attn_metadata = attn_metadata
@@ -107,7 +109,7 @@ class DeepseekMTP(nn.Module):
             self.context.attn_metadata = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._shared[1](self.shared_head_norm(hidden)).float()
+        return self._target[0].lm_head(self.shared_head_norm(hidden)).float()
 
     # ---- loading -----------------------------------------------------------------------
     def wants_weight(self, name: str) -> bool:
@@ -178,3 +180,23 @@ class DeepseekMTP(nn.Module):
         with torch.no_grad():
             dst.copy_(tensor)
         loaded.add(piece)
+
+
+def attach_mtp_layer(target: nn.Module) -> DeepseekMTP:
+    """The next-n layer of `target` (a loaded DeepSeek-V3; the registry's hook for
+    load_model(mtp=True)) on the target's device and dtype, sharing its embedding and head,
+    read from its checkpoint and attached as target.nextn, so that the target's
+    bind_ep_group hands it the EP dispatcher."""
+    config = target.config
+    check_mtp_config(config)
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    param = next(target.parameters())
+    with torch.device("meta"):  # under EP, with the target's share of the layer's routed experts
+        mtp = DeepseekMTP(config, target, target.expert_shard)
+    mtp.to_empty(device=param.device)
+    mtp = mtp.to(param.dtype)
+    mtp.load_weights(iterate_weights(Path(target.source_dir),
+                                     lambda name: name.startswith(prefix) and mtp.wants_weight(name)))
+    mtp = mtp.eval().requires_grad_(False)
+    target.nextn = (mtp,)
+    return mtp

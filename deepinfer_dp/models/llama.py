@@ -7,6 +7,7 @@ three or two); load_weights takes Hugging Face names and slices them in.
 """
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -18,17 +19,6 @@ from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_bl
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def check_supported(config, supported: tuple[str, ...] = SUPPORTED_MODEL_TYPES) -> None:
-    """Raises ValueError naming the architecture when this model can't serve it."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in supported:
-        archs = getattr(config, "architectures", None) or [model_type]
-        raise ValueError(f"unsupported model architecture {archs[0]!r} (model_type "
-                         f"{model_type!r}); supported model types: {', '.join(supported)}")
 
 
 def head_dim(config) -> int:
@@ -187,11 +177,11 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaForCausalLM(nn.Module):
-    model_types = SUPPORTED_MODEL_TYPES
+    # Holds routed experts (built with an expert shard; never packed): see models/registry.py.
+    mixture_of_experts: ClassVar[bool] = False
 
     def __init__(self, config):
         super().__init__()
-        check_supported(config, self.model_types)
         self.config = config
         self.context = ForwardContext()
         self.model = self.make_model(config)
@@ -220,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         self.context.attn_metadata = attn_metadata
         try:
             if self.cpu_decode is None:
-                self.cpu_decode = LlamaCpuDecode.build(self.model) or False
+                self.cpu_decode = (_plain_llama(self.model) and LlamaCpuDecode.build(self.model)) or False
             if self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
                 return self.cpu_decode(input_ids, positions, attn_metadata)
             return self.model(input_ids, positions)
@@ -277,6 +267,12 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _plain_llama(model: LlamaModel) -> bool:
+    """Every layer is this file's decoder layer with its dense MLP (what the CPU decode stack
+    runs): a family's own layers (MoE, DeepSeek's) go through the modules."""
+    return all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is LlamaMLP for layer in model.layers)
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:

@@ -52,13 +52,12 @@ class LlamaCpuDecode:
 
     @classmethod
     def build(cls, model) -> LlamaCpuDecode | None:
-        from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaMLP  # (llama imports this module)
-
+        """`model`'s layers must be plain Llama decoder layers with dense MLPs (llama.py checks
+        that before calling, since the types are its own)."""
         specs, max_rows = [], cpu_linear.KERNEL_MAX_ROWS
         for layer in model.layers:
             sa, mlp = layer.self_attn, layer.mlp
-            if type(layer) is not LlamaDecoderLayer or type(mlp) is not LlamaMLP or sa.qk_norm \
-                    or sa.clip_qkv is not None:
+            if sa.qk_norm or sa.clip_qkv is not None:
                 return None
             projs = [_projection(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):

@@ -29,8 +29,8 @@ from torch import nn
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.moe import FusedMoE, select_experts
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from deepinfer_dp.models.weights import iterate_weights
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # <prefix>.experts.<e>.<projection>.weight, in either family's names
 _EXPERT_NAME = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PIECE = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # gate, up, down
@@ -100,7 +100,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    model_types = MOE_MODEL_TYPES
+    mixture_of_experts = True
 
     def __init__(self, config, expert_shard: tuple[int, int] = (0, 1)) -> None:
         self.expert_shard = expert_shard
@@ -170,8 +170,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def reload_experts(self, shard: tuple[int, int]) -> None:
         """Holds and loads the routed experts of `shard` from the checkpoint (source_dir)."""
-        from deepinfer_dp.models.loader import iterate_weights
-
         if self.source_dir is None:
             raise RuntimeError("reload_experts needs the checkpoint directory (source_dir)")
         self.expert_shard = shard

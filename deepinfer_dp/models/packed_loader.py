@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -23,7 +24,9 @@ from torch import nn
 
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 from deepinfer_dp.models.default_model import PACKED_FILE
-from deepinfer_dp.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from deepinfer_dp.models.llama import LlamaForCausalLM
 
 Weights = dict[str, "torch.Tensor | PackedWeight"]
 
@@ -55,11 +58,11 @@ def _is_matrix(name: str) -> bool:
     return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
 
 
-def build_packed_model(config, weights: Weights) -> LlamaForCausalLM:
-    """A CPU fp32 model: packed modules where `weights` has packed matrices, fp32 params
-    (loaded the usual way) for the rest."""
+def build_packed_model(model_class: type[LlamaForCausalLM], config, weights: Weights) -> LlamaForCausalLM:
+    """A CPU fp32 model of `model_class` (a dense Llama-layout family): packed modules where
+    `weights` has packed matrices, fp32 params (loaded the usual way) for the rest."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     used = _install_packed(model, weights)
     model.to_empty(device="cpu")
     tied = model.tie_word_embeddings

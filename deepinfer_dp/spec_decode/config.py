@@ -1,4 +1,5 @@
-"""`speculative_config`: vLLM's keys, checked once when the engine config is built."""
+"""`speculative_config`: vLLM's keys, parsed once into a SpeculativeConfig when the engine
+config is built; everything after reads the typed fields."""
 
 from __future__ import annotations
 
@@ -6,38 +7,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# Above this many running requests speculation turns itself off (vLLM's
+# Above this many requests (running or waiting) speculation turns itself off (vLLM's
 # disable_by_batch_size): verifying K drafts per sequence stops being nearly free once the
-# step is no longer bound by reading the weights. Measured with benchmarks/spec_decode.py
-# (--batches 1 2 4 8 16 --k 3 5) on the 2-core development machine, with the acceptance
-# back-off below in force, on ordinary prompts: n-gram 1.03-1.14x at 1-2 requests, 0.87-1.02x
-# at 4 (K=3 lost there in two runs of three) and 0.91-0.95x at 8 (README, "Speculative decoding").
-# Once the packed kernel kept 8 multiply-add chains in flight at 2-8 rows, a plain step of two
-# sequences got 1.3x cheaper and drafting at 2 lost: 0.82x (K=5) and 0.87x (K=7) on ordinary
-# prompts, best of 3 rounds, against 1.04x / 1.11x at 1. With the AVX-512 pair kernels a
-# verification step of 2 x 6 rows got 1.3-1.4x cheaper, and n-gram always on (K=5, --threshold
-# --rounds 2 --batches 1 2 4) ran ordinary prompts 1.09x / 1.02x / 0.97x at 1 / 2 / 4 requests
-# (repetition 2.12x / 1.65x / 1.39x): n-gram drafting stays on up to 2 requests. A draft
-# model's drafting costs K of its own forwards a step and a pass over a request's sequence
-# when it starts drafting for it, so it stops paying sooner: with the default at 2, the
-# 8-layer layer-skip draft of SmolLM2 ran 0.97x at 2 requests and 0.93x at 4 (the tails of
-# 4-request batches, where 2 are left), against 1.01x / 0.97x with drafting for a lone
-# request (--rounds 3 --k 5, README). So per method, unless the config says otherwise:
+# step is no longer bound by reading the weights, and a draft model, which runs K forwards of
+# its own a step, stops paying sooner than prompt lookup (docs/speculative_decoding.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 2, "draft_model": 1, "mtp": 1}
 # The acceptance back-off, per request (Scheduler::set_draft_backoff). Each draft is a row of
-# the verification step whether kept or not: on 2 cores 2 rows cost ~1.15x one row, 4 rows
-# ~1.45x, 8 rows ~2.5x. So a request drafts as many tokens as its last verification suggests
-# will be kept (one more than were kept; all K after a run kept whole), and after this many
-# verification steps in a row that kept nothing it pauses, for DRAFT_PAUSE_TOKENS tokens and
-# twice as long after each probe that fails again (up to 8x). With a fixed K and a pause on
-# the first poor step, a copy that departed from its source for a word stopped drafting for
-# 16 tokens of verbatim copy; see benchmarks/spec_decode.py and the README for the numbers.
+# the verification step whether kept or not, so a request drafts one more token than its last
+# verification kept (all K after a run kept whole), and after this many verification steps in
+# a row that kept nothing it pauses for DRAFT_PAUSE_TOKENS tokens, twice as long after each
+# probe that fails again (up to 8x).
 DEFAULT_DISABLE_BY_ACCEPTANCE = 4
 DRAFT_PAUSE_TOKENS = 16
 
 
 class SpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     method: Literal["ngram", "draft_model", "mtp"] = Field(
         description="ngram: prompt lookup, drafts from the sequence's own history; draft_model: a smaller "
@@ -89,10 +74,14 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
-def parse_speculative_config(value: dict[str, Any] | None) -> SpeculativeConfig | None:
-    """The checked config, or ValueError with one line per problem naming the key."""
-    if value is None:
-        return None
+def parse_speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """EngineConfig's validator, so the engine sees one parsed SpeculativeConfig: a mapping of
+    vLLM's keys is checked here, once (ValueError with one line per problem, naming the key); a
+    config already parsed (a copy of an EngineConfig, a rank's) passes as it is."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError('must be a mapping of vLLM\'s keys, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
     try:
         return SpeculativeConfig(**value)
     except ValidationError as e:
@@ -102,9 +91,3 @@ def parse_speculative_config(value: dict[str, Any] | None) -> SpeculativeConfig 
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(msg if not err["loc"] and ":" in msg else f"{key}: {msg}")
         raise ValueError("; ".join(problems)) from None
-
-
-def check_speculative_config(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """EngineConfig's validator: the dict with every default filled in, or ValueError."""
-    parsed = parse_speculative_config(value)
-    return None if parsed is None else parsed.model_dump()

@@ -28,44 +28,48 @@ never outputs wrong: every draft is verified by the target.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.linear import replace_linears
-from deepinfer_dp.models import LoadedModel, allocate_kv_cache
-from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.spec_decode.rejection import draft_distribution, exponential_race
+from deepinfer_dp.layers.rejection_sampler import draft_distribution, exponential_race
+from deepinfer_dp.models import LoadedModel, allocate_kv_cache, load_model
+from deepinfer_dp.spec_decode.proposer import DraftTarget, ProposerContext, TargetStep
 
 
 class DraftModelProposer:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, max_num_seqs: int,
-                 requests: Mapping[str, Any], run_on_device: Callable, cpu_linear_kernel: bool = True,
-                 thread_plan: Callable[[int], AbstractContextManager] = lambda n: nullcontext()) -> None:
-        """`requests`: the engine's request states (params, generator) by request id;
-        `run_on_device`: runs a function where the target's forward passes run; `thread_plan`:
-        the target runner's thread plan for a pass of n tokens (ModelRunner.thread_plan)."""
+    observes_every_pass = False  # speculative passes only: it catches up on the others itself
+    drafts_every_step = False
+
+    def __init__(self, loaded: LoadedModel, ctx: ProposerContext) -> None:
         self.model = loaded.model
-        self.block_size = block_size
-        self.scratch_start = num_blocks  # blocks num_blocks.. are the drafting scratch blocks
-        self.requests = requests
-        self.run_on_device = run_on_device
-        self.thread_plan = thread_plan
+        self.block_size = ctx.block_size
+        self.scratch_start = ctx.num_blocks  # blocks num_blocks.. are the drafting scratch blocks
+        self.requests = ctx.requests
+        self.run_on_device = ctx.run_on_device
+        self.thread_plan = ctx.thread_plan
         param = next(self.model.parameters())
         self.device, dtype = param.device, param.dtype
-        if self.device.type == "cpu" and dtype == torch.float32 and cpu_linear_kernel:
+        if self.device.type == "cpu" and dtype == torch.float32 and ctx.cpu_linear_kernel:
             replace_linears(self.model)
-        self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks + max_num_seqs, block_size, dtype,
-                                           self.device)
+        self.kv_caches = allocate_kv_cache(loaded.hf_config, ctx.num_blocks + ctx.max_num_seqs, ctx.block_size,
+                                           dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
         self._probs: dict[str, torch.Tensor] = {}
+        self._drafts: list[tuple[_C.Sequence, list[int]]] = []  # the latest propose()'s, until taken
         # request id -> (its preemption count, leading positions with valid draft K/V)
         self._valid: dict[str, tuple[int, int]] = {}
+
+    def draft_padding(self, k: int) -> None:
+        """Nothing: a draft model's passes are its own, no peer waits on them."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
     # ---- the target's passes: fill the draft cache ----------------------------------------
     @torch.inference_mode()
@@ -86,7 +90,10 @@ class DraftModelProposer:
 
     # ---- between steps: draft ------------------------------------------------------------
     def propose(self, scheduler: _C.Scheduler, k: int) -> int:
+        """Drafts for the scheduler's draft candidates on the device; the engine takes them
+        (take_draft_token_ids) and hands them to the scheduler. Returns how many got drafts."""
         self._probs = {}
+        self._drafts = []
         seqs, lens, lasts, tables, ks = [], [], [], [], []
         for seq in scheduler.draft_candidates():
             n = scheduler.draft_limit(seq, k)  # its back-off's length; no drafts the scheduler would drop
@@ -103,10 +110,14 @@ class DraftModelProposer:
         missing = self._missing(seqs)
         drafts, probs = self.run_on_device(self._planned_draft, lens, lasts, tables, max(ks), states, missing)
         for i, seq in enumerate(seqs):
-            scheduler.set_drafts(seq, drafts[i, : ks[i]].tolist())
+            self._drafts.append((seq, drafts[i, : ks[i]].tolist()))
             if probs is not None and probs[i] is not None:
                 self._probs[seq.request_id] = probs[i][: ks[i]]
         return len(seqs)
+
+    def take_draft_token_ids(self) -> list[tuple[_C.Sequence, list[int]]]:
+        drafts, self._drafts = self._drafts, []
+        return drafts
 
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         return self._probs.get(request_id)
@@ -244,32 +255,25 @@ class _DraftSampler:
         return rows
 
 
-def build_draft_proposer(path: str, engine: Any) -> DraftModelProposer:
-    """Loads the draft model for `engine` (an LLMEngine being built) and checks that it can
-    draft for its target: the same vocabulary, token for token, and positions enough."""
-    from transformers import AutoTokenizer
-
-    from deepinfer_dp.models import load_model
-
-    config = engine.config
-    loaded = load_model(path, config.torch_dtype(), engine.device, config.packed_weights)
+def load_draft_proposer(path: str, ctx: ProposerContext, target: DraftTarget) -> DraftModelProposer:
+    """Loads the draft model at `path` and checks that it can draft for `target`: the same
+    vocabulary, token for token, and positions enough."""
+    loaded = load_model(path, target.dtype, target.device, target.packed_weights)
     where = f"speculative_config.model {path!r}"
-    if loaded.hf_config.vocab_size != engine.vocab_size:
+    if loaded.hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"{where}: the draft model's vocabulary has {loaded.hf_config.vocab_size} entries but "
-                         f"the target's has {engine.vocab_size}; a draft model must share the target's tokenizer")
+                         f"the target's has {target.vocab_size}; a draft model must share the target's tokenizer")
     try:
         draft_vocab = AutoTokenizer.from_pretrained(loaded.tokenizer_dir).get_vocab()
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: no tokenizer to compare with the target's ({e})") from None
-    target_vocab = engine.tokenizer.get_vocab()
+    target_vocab = target.vocab()
     if draft_vocab != target_vocab:
         differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=str)[:3]
         raise ValueError(f"{where}: the draft model's tokenizer differs from the target's (e.g. {differ}); "
                          "a draft model must share the target's tokenizer")
     positions = loaded.hf_config.max_position_embeddings
-    if positions < engine.max_model_len:
+    if positions < target.max_model_len:
         raise ValueError(f"{where}: the draft model handles {positions} positions but max_model_len is "
-                         f"{engine.max_model_len}; lower max_model_len")
-    runner = engine.worker.runner
-    return DraftModelProposer(loaded, runner.num_blocks, runner.block_size, config.max_num_seqs, engine.requests,
-                              engine.worker.run_on_device, config.cpu_linear_kernel, runner.thread_plan)
+                         f"{target.max_model_len}; lower max_model_len")
+    return DraftModelProposer(loaded, ctx)

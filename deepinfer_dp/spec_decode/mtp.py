@@ -8,8 +8,8 @@ sampling. The MTP layer's latent cache is one more layer laid out on the target'
 so the C++ block bookkeeping (rollback, preemption, prefix caching) serves it too.
 
 Unlike the draft model, it cannot catch up on passes it did not see (the target's hidden
-states are gone), so it sees every target pass, speculative or not (ModelRunner.observe_every_pass;
-the placeholder's only to run its padding under EP, below); it has no catch-up pass and
+states are gone), so it sees every target pass, speculative or not (observes_every_pass; the
+placeholder's only to run its padding under EP, below); it has no catch-up pass and
 nothing to track per step.
 
 Its cache entry at position t is MTP(h_t, x_{t+1}). Every target pass (`observe_target`)
@@ -33,8 +33,6 @@ rows sit in the reserved block 0, are not counted in the expert load, and are co
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -45,31 +43,35 @@ from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.layers.mla import allocate_mla_cache
 from deepinfer_dp.models.deepseek_mtp import DeepseekMTP
 from deepinfer_dp.spec_decode.draft_model import DraftModelProposer, _DraftSampler
-from deepinfer_dp.spec_decode.proposer import TargetStep
+from deepinfer_dp.spec_decode.proposer import ProposerContext, TargetStep
 
 RECENT_STEPS = 4  # target passes whose hidden states are kept for finding h_{L-2}
 
 
 class MTPProposer(DraftModelProposer):
-    def __init__(self, mtp: DeepseekMTP, num_blocks: int, block_size: int, max_num_seqs: int,
-                 requests: Mapping[str, Any], run_on_device: Callable, cpu_linear_kernel: bool = True,
-                 thread_plan: Callable[[int], AbstractContextManager] = lambda n: nullcontext()) -> None:
+    observes_every_pass = True  # the target's hidden states cannot be recomputed: it sees every pass
+    drafts_every_step = True  # under EP every rank makes the same MTP passes (collectives)
+
+    def __init__(self, mtp: DeepseekMTP, ctx: ProposerContext) -> None:
+        """`mtp`: the next-n layer the loader attached to the target (models/deepseek_mtp.py)."""
         self.model = mtp
-        self.block_size = block_size
-        self.scratch_start = num_blocks
-        self.requests = requests
-        self.run_on_device = run_on_device
-        self.thread_plan = thread_plan
+        self.block_size = ctx.block_size
+        self.scratch_start = ctx.num_blocks
+        self.requests = ctx.requests
+        self.run_on_device = ctx.run_on_device
+        self.thread_plan = ctx.thread_plan
         param = next(mtp.parameters())
         self.device, dtype = param.device, param.dtype
-        if self.device.type == "cpu" and dtype == torch.float32 and cpu_linear_kernel:
+        if self.device.type == "cpu" and dtype == torch.float32 and ctx.cpu_linear_kernel:
             replace_linears(mtp)
         config = mtp.config
         one_layer = type("OneLayer", (), {"num_hidden_layers": 1, "kv_lora_rank": config.kv_lora_rank,
                                           "qk_rope_head_dim": config.qk_rope_head_dim})
-        self.cache = allocate_mla_cache(one_layer, num_blocks + max_num_seqs, block_size, dtype, self.device)[0]
+        self.cache = allocate_mla_cache(one_layer, ctx.num_blocks + ctx.max_num_seqs, ctx.block_size, dtype,
+                                        self.device)[0]
         mtp.bind_kv_cache(self.cache)
         self._probs: dict[str, torch.Tensor] = {}
+        self._drafts: list[tuple[Any, list[int]]] = []  # the latest propose()'s, until taken
         # (slot_mapping, hidden_states) of the latest target passes, newest first
         self._recent: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=RECENT_STEPS)
         self.forward_time_s = 0.0
@@ -117,7 +119,7 @@ class MTPProposer(DraftModelProposer):
                 "mtp_expert_tokens": moe.expert_tokens.tolist()}
 
     def after_target(self, sched_out: Any, observed: bool) -> None:
-        """Nothing to track: the MTP layer sees every pass (ModelRunner.observe_every_pass)."""
+        """Nothing to track: the MTP layer sees every pass (observes_every_pass)."""
 
     def _missing(self, seqs: list) -> list:
         return []  # no catch-up passes: the target's hidden states cannot be recomputed here
@@ -186,31 +188,3 @@ class MTPProposer(DraftModelProposer):
             seq_lens=torch.from_numpy(seq_lens).to(self.device), query_lens_host=[1] * n,
             seq_lens_host=seq_lens.tolist(), max_query_len=1, max_seq_len=int(seq_lens.max()))
         return self.model(tokens, torch.from_numpy(pos.copy()).to(self.device), md, hidden)
-
-
-def load_mtp_layer(target) -> DeepseekMTP:
-    """The next-n layer of `target` (a loaded DeepseekForCausalLM) from its checkpoint, on
-    the target's device and dtype, sharing its embedding and head."""
-    from pathlib import Path
-
-    from deepinfer_dp.models.loader import iterate_weights
-
-    config = target.config
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    param = next(target.parameters())
-    with torch.device("meta"):  # under EP, with the target's share of the layer's routed experts
-        mtp = DeepseekMTP(config, target.model.embed_tokens, target.lm_head, getattr(target, "expert_shard", (0, 1)))
-    mtp.to_empty(device=param.device)
-    mtp = mtp.to(param.dtype)
-    mtp.load_weights(iterate_weights(Path(target.source_dir),
-                                     lambda name: name.startswith(prefix) and mtp.wants_weight(name)))
-    mtp = mtp.eval().requires_grad_(False)
-    target.nextn = (mtp,)  # the target's bind_ep_group hands it the EP dispatcher
-    return mtp
-
-
-def build_mtp_proposer(engine: Any) -> MTPProposer:
-    """The MTP proposer of `engine` (an LLMEngine being built)."""
-    runner, cfg = engine.worker.runner, engine.config
-    return MTPProposer(load_mtp_layer(runner.model), runner.num_blocks, runner.block_size, cfg.max_num_seqs,
-                       engine.requests, engine.worker.run_on_device, cfg.cpu_linear_kernel, runner.thread_plan)

@@ -29,11 +29,26 @@ from typing import Any
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.mla import is_mla, mla_entry_size
+from deepinfer_dp.layers.rejection_sampler import DraftRows
 from deepinfer_dp.layers.sampler import SamplingBatch
+from deepinfer_dp.models import kv_cache_bytes_per_block
+from deepinfer_dp.models.loader import load_hf_config, resolve_model_dir
 from deepinfer_dp.sampling_params import SamplingParams
-from deepinfer_dp.spec_decode.config import DRAFT_PAUSE_TOKENS, SpeculativeConfig, parse_speculative_config
-from deepinfer_dp.spec_decode.proposer import NgramProposer, Proposer, TargetStep
-from deepinfer_dp.spec_decode.rejection import DraftRows
+from deepinfer_dp.spec_decode.config import DRAFT_PAUSE_TOKENS, SpeculativeConfig
+from deepinfer_dp.spec_decode.draft_model import load_draft_proposer
+from deepinfer_dp.spec_decode.mtp import MTPProposer
+from deepinfer_dp.spec_decode.proposer import (
+    DraftRequest,
+    DraftTarget,
+    NgramProposer,
+    ObservingProposer,
+    Proposer,
+    ProposerContext,
+    TargetStep,
+)
+
+TargetObserver = Callable[[TargetStep], None]
 
 
 class Speculator:
@@ -41,6 +56,10 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # The proposer's own network, if it has one: it sees the target's passes and may
+        # sample its drafts from a distribution of its own.
+        self.network: ObservingProposer | None = proposer if isinstance(proposer, ObservingProposer) else None
+        self._observer = None if self.network is None else self.timed(self.network.observe_target)
         self.spec_steps = 0  # steps with speculation on (drafted, not deferred); auto-off steps are not counted
         # Host seconds the proposer spent: drafting, and a network's own passes over the
         # target's forwards (timed()). On CUDA the drafts' copy to the host waits for the
@@ -51,29 +70,42 @@ class Speculator:
         """Drafts for the next step unless the batch is too large; True when speculating
         (the step must then be post-processed in place, not deferred)."""
         limit = self.config.disable_by_batch_size
+        every_step = self.network is not None and self.network.drafts_every_step
         # Requests waiting count, as vLLM counts enqueued requests: a batch being admitted
         # passes through a moment with one request running (the others wait to share its
         # prompt's blocks), and drafting for it then (a draft model's pass over the whole
         # prompt) was thrown away when the next step filled up with prefills.
         if limit is not None and scheduler.num_running + scheduler.num_waiting > limit:
-            padding = getattr(self.proposer, "draft_padding", None)
-            if padding is not None:  # MTP under EP: the peers may draft, their collectives need ours
+            if every_step:  # MTP under EP: the peers may draft, their collectives need ours
                 start = time.perf_counter()
-                padding(self.k)
+                self.network.draft_padding(self.k)
                 self.draft_time_s += time.perf_counter() - start
             return False
         start = time.perf_counter()
         drafted = self.proposer.propose(scheduler, self.k)
+        if self.network is not None:  # a network's drafts are taken and handed to the scheduler here
+            for seq, drafts in self.network.take_draft_token_ids():
+                scheduler.set_drafts(seq, drafts)
         self.draft_time_s += time.perf_counter() - start
         # No drafts and every request paused by the acceptance back-off: an ordinary step,
         # deferred under ZOS and unseen by a draft model (it catches up when it drafts next).
-        # MTP under EP keeps every step speculative: its collectives follow the steps.
-        if drafted == 0 and not scheduler.may_draft() and getattr(self.proposer, "draft_padding", None) is None:
+        # MTP keeps every step speculative: under EP its collectives follow the steps.
+        if drafted == 0 and not scheduler.may_draft() and not every_step:
             return False
         self.spec_steps += 1
         return True
 
-    def timed(self, observe: Callable[[TargetStep], None]) -> Callable[[TargetStep], None]:
+    def observer_for(self, speculating: bool, placeholder: bool) -> TargetObserver | None:
+        """Who sees this step's target forward (on the device): the network, for a speculative
+        step's (a draft model catches up on the others when it drafts next), or for every
+        pass, the placeholder's included, when it cannot catch up (MTP); else nobody."""
+        if self.network is None:
+            return None
+        if self.network.observes_every_pass or (speculating and not placeholder):
+            return self._observer
+        return None
+
+    def timed(self, observe: TargetObserver) -> TargetObserver:
         """`observe` (a proposer's pass over a target forward, run on the device thread)
         with its time added to draft_time_s."""
         def timed_observe(step: TargetStep) -> None:
@@ -87,17 +119,16 @@ class Speculator:
     def after_step(self, sched_out: _C.SchedulerOutput, speculating: bool) -> None:
         """Tells a proposer with its own network which positions its forward saw (only
         speculative steps'; a draft model catches up on the others when it drafts next)."""
-        seen = getattr(self.proposer, "after_target", None)
-        if seen is not None and not sched_out.is_empty():
-            seen(sched_out, speculating)
+        if self.network is not None and not sched_out.is_empty():
+            self.network.after_target(sched_out, speculating)
 
     def with_drafts(self, batch: SamplingBatch | None, sched_out: _C.SchedulerOutput,
-                    requests: dict[str, Any]) -> SamplingBatch | None:
+                    requests: dict[str, DraftRequest]) -> SamplingBatch | None:
         """Adds to a step's sampling batch the rows verifying drafts that were sampled from a
         distribution q (draft model, sampled requests): they need the min(1, p/q) test."""
-        probs_of = getattr(self.proposer, "draft_probs", None)
-        if batch is None or probs_of is None or batch.all_greedy:
+        if batch is None or self.network is None or batch.all_greedy:
             return batch
+        probs_of = self.network.draft_probs
         rids, fed, row_token = sched_out.sample_request_ids, sched_out.input_ids, sched_out.sample_indices
         rows, tokens, qs, gens = [], [], [], []
         start = 0
@@ -134,56 +165,39 @@ class Speculator:
         }
 
 
-def for_engine(value: dict[str, Any] | None, engine: Any) -> Speculator | None:
-    """The engine's speculator (None when speculation is off), for an LLMEngine being built
-    (its worker, scheduler, tokenizer and request table exist); gives the runner's
-    placeholder step its draft padding and, for a draft model, shows it every target pass."""
-    config = parse_speculative_config(value)
-    if config is None:
-        return None
-    runner = engine.worker.runner
-    if config.num_speculative_tokens + 1 > runner.block_size:
+def build_speculator(config: SpeculativeConfig, ctx: ProposerContext, target: DraftTarget,
+                     scheduler: _C.Scheduler) -> Speculator:
+    """The speculator of `config` and its proposer, built with what a proposer may use of the
+    engine (`ctx`) and the target model (`target`: what a draft must match, the MTP layer);
+    gives `scheduler` the config's acceptance back-off."""
+    if config.num_speculative_tokens + 1 > ctx.block_size:
         raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {config.num_speculative_tokens + 1} "
-                         f"must fit one KV block (block_size={runner.block_size}): the placeholder step's "
+                         f"must fit one KV block (block_size={ctx.block_size}): the placeholder step's "
                          "draft padding lives in the reserved block 0")
-    runner.placeholder_tokens = 1 + config.num_speculative_tokens
     if config.disable_by_acceptance is not None:
         # Across requests for a draft model only: its first drafts for a request cost a pass over the prompt.
-        engine.scheduler.set_draft_backoff(config.disable_by_acceptance, DRAFT_PAUSE_TOKENS,
-                                           skip_requests=config.method == "draft_model")
+        scheduler.set_draft_backoff(config.disable_by_acceptance, DRAFT_PAUSE_TOKENS,
+                                    skip_requests=config.method == "draft_model")
     if config.method == "ngram":
         return Speculator(config)
     if config.method == "draft_model":
-        from deepinfer_dp.spec_decode.draft_model import build_draft_proposer
-
-        proposer = build_draft_proposer(config.model, engine)
-    else:
-        from deepinfer_dp.spec_decode.mtp import build_mtp_proposer
-
-        proposer = build_mtp_proposer(engine)
-        runner.observe_every_pass = True
-    spec = Speculator(config, proposer)
-    runner.target_observer = spec.timed(proposer.observe_target)
-    return spec
+        return Speculator(config, load_draft_proposer(config.model, ctx, target))
+    if target.mtp_layer is None:
+        raise ValueError("speculative_config method 'mtp': the target model was loaded without its next-n layer")
+    return Speculator(config, MTPProposer(target.mtp_layer, ctx))
 
 
-def kv_bytes_per_block(value: dict[str, Any] | None, target_config: Any, block_size: int,
+def kv_bytes_per_block(config: SpeculativeConfig | None, target_config: Any, block_size: int,
                        dtype: torch.dtype) -> int:
     """Bytes one block of the proposer's own KV cache takes (0: it has none), for sizing the
     target's cache so that kv_cache_memory_gb holds both: a draft model's cache has all its
     layers, an MTP head's one latent layer. (Read before anything is loaded: the draft
     model's config only.)"""
-    config = parse_speculative_config(value)
     if config is None or config.method == "ngram":
         return 0
     if config.method == "draft_model":
-        from deepinfer_dp.models import kv_cache_bytes_per_block
-        from deepinfer_dp.models.loader import load_hf_config, resolve_model_dir
-
         return kv_cache_bytes_per_block(load_hf_config(resolve_model_dir(config.model)), block_size, dtype)
-    from deepinfer_dp.layers.mla import is_mla, mla_entry_size
-
-    if not is_mla(target_config):  # no MTP layer to load: left to build_mtp_proposer to fail on
+    if not is_mla(target_config):  # no MTP layer to load: left to the loader to refuse
         return 0
     return block_size * mla_entry_size(target_config) * dtype.itemsize
 
@@ -213,6 +227,6 @@ def stats(scheduler_stats: dict[str, Any], speculator: Speculator | None) -> dic
     under speculation, the derived rates."""
     if speculator is None:
         return {**scheduler_stats, "spec_decode_steps": 0, "spec_decode_draft_time_s": 0.0}
-    own = getattr(speculator.proposer, "stats", None)  # a proposer's own counters (MTP's)
+    own = speculator.network.stats() if speculator.network is not None else {}  # a network's own (MTP's)
     return {**scheduler_stats, **Speculator.stats(scheduler_stats), "spec_decode_steps": speculator.spec_steps,
-            "spec_decode_draft_time_s": speculator.draft_time_s, **(own() if own is not None else {})}
+            "spec_decode_draft_time_s": speculator.draft_time_s, **own}

@@ -1,7 +1,7 @@
 """The grammar library behind structured output: llguidance.
 
-Chosen by measurement on this machine (benchmarks/grammar_backends.py, numbers in the
-README): llguidance compiles a JSON schema 4-15x faster than xgrammar and has no
+Chosen by measurement (benchmarks/grammar_backends.py, numbers in docs/benchmarks.md):
+llguidance compiles a JSON schema about 8-11x faster than xgrammar and has no
 dependencies, where xgrammar pulls in triton (about 1 GB) on Linux; xgrammar's masks are
 faster per step, but llguidance's fit well inside a CPU decode step (and are computed while
 the forward runs, see manager.py).
@@ -27,8 +27,46 @@ import torch
 
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
-# What a JSON value may look like with `disable_any_whitespace` (llguidance's own option).
-_COMPACT = {"whitespace_flexible": False}
+# The whitespace between JSON tokens. llguidance allows any amount by default, and a weak
+# model can emit it forever: the grammar itself keeps an endless path open. So by default a
+# gap is empty, one space, or a newline and up to 16 spaces of indent (compact or lightly
+# indented JSON); `disable_any_whitespace` (vLLM's option) allows none
+# (`{"a":1,"b":2}`), and a request's `whitespace_pattern` replaces the default
+# ("[ \t\n]*": unbounded, as before).
+DEFAULT_WHITESPACE = r"( |\n {0,16})?"
+# json_object: "any object" is bounded too, or a weak model may nest, widen or write a string
+# forever: objects and arrays nest at most JSON_OBJECT_MAX_DEPTH deep (a request's
+# json_object_max_depth replaces it), hold at most JSON_OBJECT_MAX_ITEMS members, keys are at
+# most JSON_OBJECT_MAX_KEY characters and string values at most JSON_OBJECT_MAX_STRING.
+JSON_OBJECT_MAX_DEPTH = 8
+JSON_OBJECT_MAX_ITEMS = 32
+JSON_OBJECT_MAX_KEY = 64
+JSON_OBJECT_MAX_STRING = 1024
+_SCALARS = [{"type": "string", "maxLength": JSON_OBJECT_MAX_STRING}, {"type": "number"}, {"type": "boolean"},
+            {"type": "null"}]
+
+
+def _whitespace(mode: str) -> dict:
+    """llguidance's JSON options for the whitespace part of a cache key (params.key)."""
+    if mode == "1":
+        return {"whitespace_flexible": False}
+    pattern = mode[2:] if mode.startswith("p:") else DEFAULT_WHITESPACE
+    return {"whitespace_flexible": True, "whitespace_pattern": pattern}
+
+
+def json_object_schema(max_depth: int) -> dict:
+    """Any JSON object within the bounds above, nesting at most `max_depth` deep (1: flat)."""
+    defs = {"d1": {"anyOf": _SCALARS}}  # dK: a value holding at most K-1 more levels of nesting
+    for d in range(2, max_depth + 1):
+        defs[f"d{d}"] = {"anyOf": [*_SCALARS, _object(f"d{d - 1}"),
+                                   {"type": "array", "items": {"$ref": f"#/$defs/d{d - 1}"},
+                                    "maxItems": JSON_OBJECT_MAX_ITEMS}]}
+    return {"$defs": defs, **_object(f"d{max_depth}")}
+
+
+def _object(values: str) -> dict:
+    return {"type": "object", "patternProperties": {f"^.{{0,{JSON_OBJECT_MAX_KEY}}}$": {"$ref": f"#/$defs/{values}"}},
+            "additionalProperties": False, "maxProperties": JSON_OBJECT_MAX_ITEMS}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -38,16 +76,16 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _grammar_text(kind: str, spec: str) -> str:
-    base, _, compact = kind.partition("/")
-    overrides = _COMPACT if compact == "1" else None
+    base, _, whitespace = kind.partition("/")
     try:
         if base == "json":
             schema = json.loads(spec)  # the key holds the schema as JSON text
             if not isinstance(schema, dict):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=overrides)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=_whitespace(whitespace))
         if base == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=overrides)
+            schema = json_object_schema(int(spec or JSON_OBJECT_MAX_DEPTH))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_whitespace(whitespace))
         if base == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if base == "choice":

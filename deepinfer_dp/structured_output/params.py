@@ -26,9 +26,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # JSON only: no whitespace between tokens beyond one space after ':' and ',' (small models
-    # otherwise tend to emit whitespace forever); as vLLM's option of the same name.
+    # JSON only, the whitespace between tokens (see backend.py): by default bounded (compact
+    # or lightly indented); disable_any_whitespace (vLLM's): none at all;
+    # whitespace_pattern (vLLM's): a regex of your own, e.g. "[ \\t\\n]*" for unbounded.
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    # json_object only: the deepest nesting of objects and arrays (None: backend's default).
+    json_object_max_depth: int | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -52,6 +56,13 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or self.disable_any_whitespace):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string, and not sent with "
+                             "disable_any_whitespace")
+        depth = self.json_object_max_depth
+        if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= 64):
+            raise ValueError(f"structured_outputs.json_object_max_depth must be an integer in [1, 64], got {depth!r}")
 
     @property
     def kind(self) -> str:
@@ -62,9 +73,15 @@ class StructuredOutputsParams:
         kind = self.kind
         if kind == "json":
             spec: Any = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json, sort_keys=True)
-            return (f"json/{int(self.disable_any_whitespace)}", spec)
+            return (f"json/{self._whitespace()}", spec)
         if kind == "choice":
             return ("choice", jsonlib.dumps(self.choice))
         if kind == "json_object":
-            return (f"json_object/{int(self.disable_any_whitespace)}", "")
+            return (f"json_object/{self._whitespace()}", str(self.json_object_max_depth or ""))
         return (kind, getattr(self, kind))
+
+    def _whitespace(self) -> str:
+        """The JSON whitespace in the cache key: 1 compact, 0 the default, p:<the regex>."""
+        if self.whitespace_pattern is not None:
+            return "p:" + self.whitespace_pattern
+        return str(int(self.disable_any_whitespace))

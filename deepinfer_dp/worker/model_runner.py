@@ -16,13 +16,13 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
-from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
 from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.worker.cpu_malloc import keep_freed_memory
+from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
+from deepinfer_dp.worker import prompt_logprobs
 
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
 # batch); the tensors over them are only read, so torch's one-time notice about it is noise.
@@ -42,7 +42,8 @@ class ModelInput:
     prev_tokens: torch.Tensor | None = None  # the previous step's sampled ids (on the device)
     # Prefill rows whose logits requests want as prompt logprobs; forward() fills its result.
     prompt_logprobs: prompt_logprobs.PromptLogprobsSpec | None = None
-    observe_target: bool = False  # a speculative step: the proposer's network (target_observer) sees it
+    # Shown this forward on the device (a speculative proposer's network; Speculator.observer_for).
+    observer: Callable[[TargetStep], None] | None = None
 
 
 def kv_cache_dtype_for(config: EngineConfig, hf_config) -> torch.dtype:
@@ -125,14 +126,10 @@ class ModelRunner:
         cache_dtype = kv_cache_dtype_for(config, loaded.hf_config)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, cache_dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
-        # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft padding).
-        self.placeholder_tokens = 1
-        # A proposer with its own network (draft model, MTP head) sees every target forward.
-        self.target_observer: Callable[[TargetStep], None] | None = None
-        # An MTP head drafts from the target's hidden states, which it cannot recompute: it
-        # sees every pass, not only the speculative ones -- the placeholder's too, whose
-        # padding it runs under expert parallelism (its MoE collectives match the peers').
-        self.observe_every_pass = False
+        # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft
+        # padding), so that its shapes match a speculative step's.
+        spec = config.speculative_config
+        self.placeholder_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -200,10 +197,8 @@ class ModelRunner:
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self.thread_plan(input_ids.numel()):
             hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
-            observe = inp.observe_target or self.observe_every_pass
-            if self.target_observer is not None and observe:
-                self.target_observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden,
-                                                inp.sample_indices))
+            if inp.observer is not None:
+                inp.observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden, inp.sample_indices))
             if inp.prompt_logprobs is not None:
                 prompt_logprobs.compute(self.model.compute_logits, hidden, inp.prompt_logprobs)
             if inp.sample_indices is None or inp.sample_indices.numel() == 0:

@@ -15,6 +15,7 @@ interpreter teardown).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,9 +24,10 @@ import numpy as np
 import torch
 
 from deepinfer_dp import _C
-from deepinfer_dp.engine.prompt_logprobs import PromptLogprobsSpec
 from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch, greedy_token_ids
+from deepinfer_dp.spec_decode.proposer import TargetStep
 from deepinfer_dp.worker.model_runner import ModelInput, ModelRunner
+from deepinfer_dp.worker.prompt_logprobs import PromptLogprobsSpec
 
 
 @dataclass
@@ -90,9 +92,9 @@ class Worker:
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
                            prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True,
-                           speculative: bool = False) -> list:
+                           observer: Callable[[TargetStep], None] | None = None) -> list:
         """`defer=False` post-processes even a ZOS decode step in place (speculative steps);
-        `speculative`: a proposer with a network of its own sees this step's forward."""
+        `observer`: a proposer's network, shown this step's forward (Speculator.observer_for)."""
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
@@ -100,7 +102,7 @@ class Worker:
         else:
             model_input = self.runner.prepare(sched_out)
             model_input.prompt_logprobs = prompt_logprobs
-            model_input.observe_target = speculative
+        model_input.observer = observer
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)
         # 2. Post-process previous step

@@ -1,7 +1,8 @@
-"""The data plane's CURVE authentication (cluster/data_plane.py): with a cluster key, the
-router and the ranks refuse peers that do not hold it (a plain socket, or a CURVE socket with
-a key pair of its own), nothing those peers send takes effect, and the cluster keeps serving
-the peers that do hold it. Forced on for 127.0.0.1 here; `auto` turns it on off loopback."""
+"""The data plane's CURVE authentication (cluster/data_plane.py): one key pair per role
+(router, rank, client); each socket admits only the roles that may send to it, so a peer
+without a key, or with the key of another role, is refused at the handshake and nothing it
+sends takes effect, while the peers that hold the right keys are served on. Behind the
+handshake each message's sender is checked against its type (cluster/inbox.py)."""
 
 from __future__ import annotations
 
@@ -13,41 +14,48 @@ import zmq
 from test_router import PARAMS, _outcome, cluster
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import ClusterKey, DataPlane, cluster_key_for
+from deepinfer_dp.cluster.data_plane import CLIENT, RANK, ROUTER, ClusterKey, DataPlane, cluster_key_for
+from deepinfer_dp.cluster.inbox import Inbox
 
 ATTACK_WAIT_S = 1.5  # long enough for a handshake and a delivery on loopback (both take ms)
 
 
-def test_key_is_made_off_loopback_or_when_forced_and_never_printed():
-    assert cluster_key_for("127.0.0.1") is None and cluster_key_for("::1", "auto") is None
-    assert cluster_key_for("10.1.2.3", "off") is None
-    a, b = cluster_key_for("10.1.2.3"), cluster_key_for("127.0.0.1", "on")
-    assert a is not None and b is not None and a.secret != b.secret  # fresh for every deployment
-    assert len(a.public) == len(a.secret) == 40  # Z85 text of 32-byte keys
-    assert a.secret.decode() not in repr(a)
+def test_keys_are_made_on_every_host_unless_off_and_never_printed():
+    for host in ("127.0.0.1", "::1", "10.1.2.3"):
+        assert cluster_key_for(host) is not None and cluster_key_for(host, "on") is not None
+        assert cluster_key_for(host, "off") is None
+    a, b = cluster_key_for("127.0.0.1"), cluster_key_for("127.0.0.1")
+    assert a.secrets[ROUTER] != b.secrets[ROUTER]  # fresh for every deployment
+    assert len({a.publics[r] for r in (ROUTER, RANK, CLIENT)}) == 3  # one pair per role
+    assert all(len(k) == 40 for k in (*a.publics.values(), *a.secrets.values()))  # Z85 of 32 bytes
+    assert not any(s.decode() in repr(a) for s in a.secrets.values())
+    client = a.for_role(CLIENT)  # what an API server process is given
+    assert set(client.secrets) == {CLIENT} and client.publics == a.publics
+    with pytest.raises(ValueError, match="router key"):
+        DataPlane(client, ROUTER)
     with pytest.raises(ValueError, match="data_plane_auth"):
         cluster_key_for("127.0.0.1", "yes")
 
 
 class _Intruder:
-    """A peer without the cluster's secret: `keypair` None is a plain socket, else a CURVE
-    client with a key pair of its own that knows the cluster's public key."""
+    """A peer of the deployment's sockets: `key` None is a plain socket; else a CURVE client
+    that presents `key`'s pair for `role` (a stranger's key: a pair of its own)."""
 
-    def __init__(self, public_key: bytes, keypair: tuple[bytes, bytes] | None) -> None:
+    def __init__(self, server_keys: dict[str, bytes], key: ClusterKey | None = None, role: str = CLIENT) -> None:
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.address = f"tcp://127.0.0.1:{self.inbox.bind_to_random_port('tcp://127.0.0.1')}"
-        self._public_key, self._keypair = public_key, keypair
+        self._server_keys, self._key, self._role = server_keys, key, role
         self.sockets = [self.inbox]
 
-    def push(self, address: str, *messages) -> None:
+    def push(self, address: str, server_role: str, *messages) -> None:
         sock = self.ctx.socket(zmq.PUSH)
-        if self._keypair is not None:
-            sock.curve_serverkey = self._public_key
-            sock.curve_publickey, sock.curve_secretkey = self._keypair
+        if self._key is not None:
+            sock.curve_serverkey = self._server_keys[server_role]
+            sock.curve_publickey, sock.curve_secretkey = self._key.pair(self._role)
         sock.connect(address)
         for msg in messages:
-            sock.send(p.encoder.encode(msg))
+            sock.send(msg if isinstance(msg, bytes) else p.encoder.encode(msg))
         self.sockets.append(sock)
 
     def close(self) -> None:
@@ -56,32 +64,44 @@ class _Intruder:
         self.ctx.term()
 
 
-@pytest.mark.parametrize("intruder_keys", ["plain", "own_keypair"])
-def test_router_and_ranks_refuse_a_peer_without_the_key_and_keep_serving(intruder_keys):
+def _forge_everything(bad: _Intruder, router, ranks, victim_client, role: str | None) -> None:
+    """Forged messages to every socket that `role` (the key the intruder holds) may not use."""
+    if role != CLIENT:  # as a client: a Hello, a request and a stats query to the router's frontend
+        bad.push(router.frontend_address, ROUTER, p.Hello("intruder", bad.address),
+                 p.AddRequest("stolen", [1, 2], {}, "intruder"), p.StatsQuery(0, "intruder"))
+    if role != RANK:  # as a rank: a forged result and a failed vote to the router's backend
+        bad.push(router.backend_address, ROUTER, p.Deltas(0, []), p.GroupBroken(0, 0, "forged", []))
+    # As the router: a request, a Reform and a Shutdown straight to a rank.
+    bad.push(ranks[0].address, RANK, p.AddRequest("forged", [1], {}, "intruder"),
+             p.Reform("127.0.0.1", 1, 0, 1, 0), p.Shutdown())
+    # As the router to a client: every rank down.
+    bad.push(victim_client._address, CLIENT, p.HealthReply(-1, [{"dp_rank": 0, "up": False}]))
+
+
+@pytest.mark.parametrize("intruder", ["plain", "own_keypair", "client_key", "rank_key"])
+def test_router_ranks_and_clients_refuse_a_peer_without_the_right_key(intruder):
+    """A stranger (no key, or a pair of its own) is refused everywhere; a client's key only
+    opens the router's frontend, a rank's only its backend, so neither can stop a rank."""
     key = ClusterKey.generate()
     with cluster(key=key) as (router, ranks, _, new_client):
         c = new_client()
         q = queue.Queue()
         c.submit("before", [1], PARAMS, q.put)
         assert _outcome(q)[1].finish_reason == "length"
-        bad = _Intruder(key.public, None if intruder_keys == "plain" else zmq.curve_keypair())
+        holds = {"plain": None, "own_keypair": ClusterKey.generate(), "client_key": key, "rank_key": key}[intruder]
+        bad = _Intruder(key.publics, holds, RANK if intruder == "rank_key" else CLIENT)
         try:
-            # As a client: a Hello, a request and a stats query to the router's frontend.
-            bad.push(router.frontend_address, p.Hello("intruder", bad.address),
-                     p.AddRequest("stolen", [1, 2], {}, "intruder"), p.StatsQuery(0, "intruder"))
-            # As a rank: a forged result and a failed vote to the router's backend.
-            bad.push(router.backend_address, p.Deltas(0, []), p.GroupBroken(0, 0, "forged", []))
-            # As the router: a request and a Shutdown straight to a rank.
-            bad.push(ranks[0].address, p.AddRequest("forged", [1], {}, "intruder"), p.Shutdown())
+            _forge_everything(bad, router, ranks, c, {"client_key": CLIENT, "rank_key": RANK}.get(intruder))
             time.sleep(ATTACK_WAIT_S)
             assert bad.inbox.poll(0) == 0  # the router never connected back to it
             for r in ranks:
                 got = []
                 while not r.received.empty():
                     got.append(r.received.get())
-                assert not [m for m in got if isinstance(m, p.Shutdown)
+                assert not [m for m in got if isinstance(m, (p.Shutdown, p.Reform))
                             or isinstance(m, p.AddRequest) and m.request_id in ("stolen", "forged")]
             assert "intruder" not in router._clients and router.membership.group_failures == 0
+            assert all(h["up"] for h in c.health())
             for i in range(4):  # both ranks still serve the client that holds the key
                 q = queue.Queue()
                 c.submit(f"after{i}", [1], PARAMS, q.put)
@@ -90,31 +110,62 @@ def test_router_and_ranks_refuse_a_peer_without_the_key_and_keep_serving(intrude
             bad.close()
 
 
-def test_a_peer_with_the_key_is_accepted_and_one_without_is_refused_at_the_handshake():
-    """The socket layer itself: a monitor on the bound socket sees the refused handshakes."""
+def test_each_socket_refuses_the_roles_that_may_not_send_to_it_at_the_handshake():
+    """The socket layer itself: a monitor on a rank's inbox sees a client's and a rank's
+    handshakes refused and the router's accepted."""
     key = ClusterKey.generate()
-    plane = DataPlane(key)
-    server = plane.bound(zmq.PULL, "127.0.0.1")
+    rank_plane, router_plane = DataPlane(key, RANK), DataPlane(key, ROUTER)
+    server = rank_plane.bound(zmq.PULL, "127.0.0.1", (ROUTER,))
     address = server.getsockopt_string(zmq.LAST_ENDPOINT)
     monitor = server.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                         | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    bad = _Intruder(key.public, zmq.curve_keypair())
-    friend = DataPlane(key)
+    client, other_rank = _Intruder(key.publics, key, CLIENT), _Intruder(key.publics, key, RANK)
     try:
-        bad.push(address, p.Shutdown())
+        client.push(address, RANK, p.Shutdown())
         assert _next_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        sock = friend.connected(zmq.PUSH, address)
+        other_rank.push(address, RANK, p.Shutdown())
+        assert _next_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        sock = router_plane.connected(zmq.PUSH, address, RANK)
         sock.send(p.encoder.encode(p.Wake(7)))
         assert _next_event(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        assert server.poll(5000) and p.rank_decoder.decode(server.recv()) == p.Wake(7)  # only the friend's
+        assert server.poll(5000) and p.rank_decoder.decode(server.recv()) == p.Wake(7)  # only the router's
         assert server.poll(ATTACK_WAIT_S * 1000) == 0
+        assert rank_plane.refused == 2
         sock.close(linger=0)
     finally:
-        bad.close()
+        client.close()
+        other_rank.close()
         server.disable_monitor()
         monitor.close(linger=0)
         server.close(linger=0)
-        friend.close()
+        rank_plane.close()
+        router_plane.close()
+
+
+def test_a_message_type_is_taken_only_from_the_role_allowed_to_send_it():
+    """The second line behind the handshake: an inbox that admits two roles takes a Shutdown
+    only from the router (the frame's User-Id, set by the ZAP handler, names the role)."""
+    key = ClusterKey.generate()
+    plane = DataPlane(key, RANK)
+    senders = {p.Shutdown: (ROUTER,), p.Wake: (ROUTER, CLIENT)}
+    inbox = Inbox(plane, "127.0.0.1", p.rank_decoder, senders, "test inbox")
+    as_client, as_router = DataPlane(key, CLIENT), DataPlane(key, ROUTER)
+    try:
+        c = as_client.connected(zmq.PUSH, inbox.address, RANK)
+        c.send(p.encoder.encode(p.Shutdown()))
+        c.send(p.encoder.encode(p.Wake(1)))
+        assert inbox.socket.poll(5000) and inbox.recv() is None  # the client's Shutdown: dropped
+        assert inbox.socket.poll(5000) and inbox.recv()[0] == p.Wake(1)
+        r = as_router.connected(zmq.PUSH, inbox.address, RANK)
+        r.send(p.encoder.encode(p.Shutdown()))
+        assert inbox.socket.poll(5000) and inbox.recv()[0] == p.Shutdown()
+        assert inbox.dropped == {"malformed": 0, "unauthorized": 1}
+        c.close(linger=0)
+        r.close(linger=0)
+    finally:
+        inbox.close()
+        as_client.close()
+        as_router.close()
         plane.close()
 
 

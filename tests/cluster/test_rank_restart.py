@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from server_proc import stream_completion  # noqa: E402  (the benchmark's reading of a stream)
@@ -37,11 +37,6 @@ PROMPTS = [f"Request {i} asks about data parallel serving" for i in range(NUM_ST
 ERROR_WITHIN_S = 30.0
 BACK_WITHIN_S = 120.0
 KV_GB = 0.06  # room for every stream at once
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.policies import LeastLoaded, RoundRobin
 from deepinfer_dp.cluster.router import Router
 from deepinfer_dp.cluster.router_client import RouterClient
+from deepinfer_dp.config_file import RouterSection
 from deepinfer_dp.engine.client import NoCapacity, RankFailed, RequestRejected
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
@@ -24,10 +25,13 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
 
 
 @contextlib.contextmanager
-def cluster(num_ranks: int = 2, policy=None, key=None, **router_options):
+def cluster(num_ranks: int = 2, policy=None, key=None, client_timeout_s: float | None = None, **settings):
     """A router with fake ranks; `key`: the data plane authenticates peers (every rank and
-    client made here holds it)."""
-    router = Router(policy or RoundRobin(), health_interval_s=0.1, key=key, **router_options)
+    client made here holds it); `settings`: RouterSection fields (a dead rank stays down unless
+    max_rank_restarts is given)."""
+    timeouts = {} if client_timeout_s is None else {"client_timeout_s": client_timeout_s}
+    router = Router(RouterSection(**{"max_rank_restarts": 0, **settings}), policy or RoundRobin(),
+                    health_interval_s=0.1, key=key, **timeouts)
     ranks = [FakeRank(i, router.backend_address, key=key) for i in range(num_ranks)]
     liveness = FakeLiveness()
     liveness.backend, liveness.key = router.backend_address, key

@@ -11,28 +11,10 @@ step, so both ranks make the same MoE collective calls."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from deepseek_utils import build_tiny_deepseek
-
-from deepinfer_dp.sampling_params import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.",
-           "What is 2 + 2?", "List three colors.", "Once upon a time",
-           "Explain data parallelism in one sentence, please, and be brief.", "Hi"]
-MAX_TOKENS = 8
-ENGINE = dict(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=12, torch_threads=1)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def _ids(results) -> list[list[int]]:
-    return [[t for o in outs for t in o.token_ids] for outs in results]
+from dp_utils import EP_ENGINE, GREEDY, PROMPTS, token_ids, torchrun_ep
 
 
 @pytest.fixture(scope="module", params=["v3", "v2-lite"])
@@ -41,38 +23,17 @@ def ds_case(request, tmp_path_factory):
     from deepinfer_dp.entrypoints.llm import LLM
 
     path = build_tiny_deepseek(request.param, tmp_path_factory.mktemp("ds_ep") / request.param)
-    llm = LLM(str(path), decode_sequence=False, **ENGINE)
+    llm = LLM(str(path), decode_sequence=False, **EP_ENGINE)
     try:
-        ids = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         llm.shutdown()
     return path, ids
 
 
-def _torchrun(model_dir: Path, out: Path, spec: dict | None = None, timeout_s: float = 300,
-              backend: str = "all_to_all") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", "8,0",
-           "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64", "--max-num-seqs", "2",
-           "--max-num-batched-tokens", "12", "--enable-expert-parallel", "--all2all-backend", backend,
-           "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
-    if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, env=dict(os.environ))
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
 def test_torchrun_ep_all_prompts_on_one_rank_equals_dp1(ds_case, tmp_path):
     model_dir, dp1_ids = ds_case
-    done = _torchrun(model_dir, tmp_path / "out.json")
+    done = torchrun_ep(model_dir, tmp_path / "out.json")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["token_ids"] == dp1_ids
@@ -91,9 +52,9 @@ def test_ray_ep_round_robin_equals_dp1(ds_case, ray_cluster):
 
     model_dir, dp1_ids = ds_case
     llm = LLM(str(model_dir), decode_sequence=False, dp_size=2, enable_expert_parallel=True,
-              dp_options={"collective_timeout_s": 30, "max_rank_restarts": 0}, **ENGINE)
+              dp_options={"collective_timeout_s": 30, "max_rank_restarts": 0}, **EP_ENGINE)
     try:
-        assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_ids
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_ids
         stats = llm.rank_stats()
     finally:
         llm.shutdown()
@@ -109,13 +70,14 @@ def test_torchrun_ep_with_mtp_all_prompts_on_one_rank_equals_dp1(tmp_path_factor
     from deepinfer_dp.entrypoints.llm import LLM
 
     path = build_tiny_deepseek("v3", tmp_path_factory.mktemp("ds_ep_mtp") / "v3-nextn", with_nextn=True)
-    llm = LLM(str(path), decode_sequence=False, **ENGINE)
+    llm = LLM(str(path), decode_sequence=False, **EP_ENGINE)
     try:
-        dp1_ids = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        dp1_ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         llm.shutdown()
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
-    done = _torchrun(path, tmp_path / "out.json", spec, backend=backend)
+    done = torchrun_ep(path, tmp_path / "out.json", backend=backend,
+                      extra_args=("--speculative-config", json.dumps(spec)))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["token_ids"] == dp1_ids

@@ -10,32 +10,15 @@ alone with every expert reloaded, serves the DP=1 outputs again."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from dp_utils import first_ranks, outcome, submit_all
+from dp_utils import EP_ENGINE, GREEDY, PROMPTS, first_ranks, outcome, submit_all, token_ids, torchrun_ep
 from moe_utils import build_tiny_moe
 
 from deepinfer_dp.sampling_params import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.",
-           "What is 2 + 2?", "List three colors.", "Once upon a time",
-           "Explain data parallelism in one sentence, please, and be brief.", "Hi"]
-MAX_TOKENS = 8
-# A 12-token step budget: longer prompts are prefilled in chunks, beside other sequences.
-ENGINE = dict(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=12, torch_threads=1)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def _ids(results) -> list[list[int]]:
-    return [[t for o in outs for t in o.token_ids] for outs in results]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +30,8 @@ def moe_dir(tmp_path_factory) -> Path:
 def dp1_token_ids(moe_dir) -> list[list[int]]:
     from deepinfer_dp.entrypoints.llm import LLM
 
-    llm = LLM(str(moe_dir), decode_sequence=False, **ENGINE)
-    ids = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM(str(moe_dir), decode_sequence=False, **EP_ENGINE)
+    ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.shutdown()
     return ids
 
@@ -58,28 +41,9 @@ def _expert_load(stats: dict) -> int:
 
 
 # ---- torchrun ------------------------------------------------------------------------------
-def _torchrun(model_dir: Path, shard_sizes: str, backend: str, out: Path, env: dict | None = None,
-              timeout_s: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
-           "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64", "--max-num-seqs", "2",
-           "--max-num-batched-tokens", "12", "--enable-expert-parallel", "--all2all-backend", backend,
-           "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
-    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
 @pytest.mark.parametrize(("shard_sizes", "backend"), [("8,0", "all_to_all"), ("7,1", "allgather_reducescatter")])
 def test_torchrun_ep_equals_dp1(moe_dir, dp1_token_ids, tmp_path, shard_sizes, backend):
-    done = _torchrun(moe_dir, shard_sizes, backend, tmp_path / "out.json")
+    done = torchrun_ep(moe_dir, tmp_path / "out.json", shard_sizes, backend)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["token_ids"] == dp1_token_ids
@@ -99,7 +63,7 @@ def test_without_placeholder_steps_the_busy_rank_fails_with_the_collective_error
     enters the MoE layers, and rank 0's first one fails -- named, within the timeout."""
     env = {"DEEPINFER_DP_TEST_SKIP_PLACEHOLDER_FORWARD": "1", "DEEPINFER_DP_COLLECTIVE_TIMEOUT_S": "5"}
     start = time.monotonic()
-    done = _torchrun(moe_dir, "8,0", "all_to_all", tmp_path / "out.json", env=env, timeout_s=240)
+    done = torchrun_ep(moe_dir, tmp_path / "out.json", env=env, timeout_s=240)
     assert done.returncode != 0
     match = re.search(r"MoECollectiveError: DP rank 0 of 2: the MoE split-size exchange of layer 0 .*"
                       r"failed after ([\d.]+)s, collective timeout 5s: peer rank\(s\) \[1\]", done.stderr)
@@ -114,7 +78,7 @@ def ray_ep(moe_dir, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(moe_dir), decode_sequence=False, dp_size=2, enable_expert_parallel=True,
-              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **ENGINE)
+              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **EP_ENGINE)
     yield llm
     llm.shutdown()
 
@@ -133,7 +97,7 @@ def test_ray_ep_equals_dp1(ray_ep, dp1_token_ids):
     """Round-robin shards (4 and 4, of different lengths): the ranks' steps pair up, and each
     rank's experts computed tokens for both (the uneven 8/0 and 7/1 shards run under torchrun)."""
     before = _settled(ray_ep)
-    assert _ids(ray_ep.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
+    assert token_ids(ray_ep.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
     after = _settled(ray_ep)
     steps = [a["generate_step"] - b["generate_step"] for a, b in zip(after, before, strict=True)]
     assert steps[0] == steps[1] > 0
@@ -161,6 +125,6 @@ def test_killed_rank_during_moe_steps(ray_ep, dp1_token_ids):
     assert all(e.output_len == 480 for e in finished)
     assert len(finished) + len(lost) == len(ranks) - on_rank1
     assert [h["up"] for h in router.health()] == [True, False]
-    assert _ids(ray_ep.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
+    assert token_ids(ray_ep.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
     (survivor,) = [s for s in ray_ep.rank_stats() if s.get("up")]
     assert survivor["moe_local_experts"] == [0, 8] and survivor["moe_dispatcher"] == "local"

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer_dp import _C
+from deepinfer_dp.sampling_params import DEFAULT_MAX_TOKENS
 
 REASONS = {_C.SequenceStatus.FINISHED_STOPPED: "stop", _C.SequenceStatus.FINISHED_LENGTH: "length",
            _C.SequenceStatus.FINISHED_ABORTED: "abort"}
@@ -71,6 +72,7 @@ class SchedulerHarness:
         self.ops += 1
         rid = f"r{self.next_id}"
         self.next_id += 1
+        limits = {"max_tokens": DEFAULT_MAX_TOKENS, **limits}  # the C++ side has no default
         seq = _C.Sequence(rid, prompt, _C.SequenceLimits(**limits))
         fits = len(prompt) < self.max_seq_len
         try:
@@ -138,7 +140,7 @@ class SchedulerHarness:
 
     def drain(self, zos: bool) -> None:
         """Steps until every request has finished; then every block must be free again."""
-        work = sum(len(r.prompt) + r.limits.get("max_tokens", 16) for r in self.requests.values())
+        work = sum(len(r.prompt) + r.limits["max_tokens"] for r in self.requests.values())
         bound = 20 * work + 50
         for _ in range(bound):
             if not (self.sched.has_unfinished_seqs() or self.deferred is not None):
@@ -228,7 +230,7 @@ class SchedulerHarness:
         stop = (not lim.get("ignore_eos", False) and token == eos) or token in lim.get("stop_token_ids", [])
         if n >= lim.get("min_tokens", 0) and stop:
             return "stop"
-        if n >= lim.get("max_tokens", 16) or len(req.prompt) + n >= self.max_seq_len:
+        if n >= lim["max_tokens"] or len(req.prompt) + n >= self.max_seq_len:
             return "length"
         return None
 

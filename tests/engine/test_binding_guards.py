@@ -19,7 +19,7 @@ def scheduler(**kw) -> _C.Scheduler:
 
 
 def add(s: _C.Scheduler, rid: str, prompt: list[int], **limits) -> _C.Sequence:
-    seq = _C.Sequence(rid, prompt, _C.SequenceLimits(**limits))
+    seq = _C.Sequence(rid, prompt, _C.SequenceLimits(**{"max_tokens": 16, **limits}))
     s.add_sequence(seq)
     return seq
 
@@ -34,8 +34,21 @@ def test_block_ref_count_out_of_range(block):
 
 def test_empty_sequence_is_refused_where_it_is_made():
     with pytest.raises(ValueError, match="'x': the prompt is empty"):
-        _C.Sequence("x", [])
-    assert _C.Sequence("y", [7]).data.get_last_token_id() == 7
+        _C.Sequence("x", [], _C.SequenceLimits(max_tokens=1))
+    assert _C.Sequence("y", [7], _C.SequenceLimits(max_tokens=1)).data.get_last_token_id() == 7
+
+
+def test_max_tokens_has_no_default_in_cpp():
+    """SamplingParams owns the default; the binding takes max_tokens always, and a sequence
+    whose max_tokens was never set (0) is refused when added."""
+    with pytest.raises(TypeError):
+        _C.SequenceLimits()
+    with pytest.raises(TypeError):
+        _C.Sequence("x", [1])
+    limits = _C.SequenceLimits(max_tokens=1)
+    limits.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        scheduler().add_sequence(_C.Sequence("x", [1], limits))
 
 
 def test_a_sequence_belongs_to_one_scheduler():

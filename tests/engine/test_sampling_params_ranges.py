@@ -7,32 +7,38 @@ import pytest
 from deepinfer_dp.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
+def checked(**kwargs) -> SamplingParams:
+    params = SamplingParams(**kwargs)
+    params.verify()
+    return params
+
+
 @pytest.mark.parametrize("seed", [-(2**63), 0, 2**63, 2**64 - 1])
 def test_seeds_in_64_bits_are_accepted(seed):
-    assert SamplingParams(seed=seed).seed == seed
+    assert checked(seed=seed).seed == seed
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
 def test_seeds_past_64_bits_are_refused(seed):
     with pytest.raises(ValueError, match="seed must fit in 64 bits"):
-        SamplingParams(seed=seed)
+        checked(seed=seed)
 
 
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 def test_logprobs_ranges(name):
-    assert getattr(SamplingParams(**{name: MAX_LOGPROBS}), name) == MAX_LOGPROBS
+    assert getattr(checked(**{name: MAX_LOGPROBS}), name) == MAX_LOGPROBS
     for bad in (-1, MAX_LOGPROBS + 1, True, 2.0):
         with pytest.raises(ValueError, match=name):
-            SamplingParams(**{name: bad})
+            checked(**{name: bad})
 
 
 @pytest.mark.parametrize(("bias", "words"), [({-1: 1.0}, "keys must be token ids"), ({True: 1.0}, "keys"),
                                              ({"5": 1.0}, "keys"), ({5: 101.0}, r"values must be in \[-100, 100\]"),
-                                             ({5: float("nan")}, "NaN"), ({5: float("-inf")}, "values"),
+                                             ({5: float("nan")}, "finite"), ({5: float("-inf")}, "finite"),
                                              ({5: "x"}, "must be a number")])
 def test_logit_bias_is_checked(bias, words):
     with pytest.raises(ValueError, match=f"logit_bias {words}" if words.startswith("keys") else words):
-        SamplingParams(logit_bias=bias)
+        checked(logit_bias=bias)
 
 
 def test_logit_bias_is_copied_not_shared():

@@ -10,14 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_utils import tiny_model_dir
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.mark.slow

@@ -12,19 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import pytest  # noqa: E402
-from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir  # noqa: E402
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served  # noqa: E402
 
 from deepinfer_dp.entrypoints.llm import LLM  # noqa: E402
 from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Data parallel ranks step", "What is the capital of"]
 BAD_SEED = {"model": MODEL_NAME, "prompt": "hi", "seed": 18446744073709551616, "temperature": 0.5}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 def test_a_seed_past_64_bits_is_refused_and_the_engine_keeps_serving(model_dir):

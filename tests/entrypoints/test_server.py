@@ -27,7 +27,6 @@ from server_utils import (  # noqa: E402
     serve_command,
     served,
     stop_serve_command,
-    tiny_model_dir,
 )
 
 from deepinfer_dp.entrypoints.llm import LLM  # noqa: E402
@@ -35,17 +34,6 @@ from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Data parallel ranks step", "What is the capital of"]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with served(model_dir) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

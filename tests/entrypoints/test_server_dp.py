@@ -19,7 +19,6 @@ from server_utils import (  # noqa: E402
     ENGINE_OPTIONS,
     MODEL_NAME,
     served,
-    tiny_model_dir,
 )
 
 from deepinfer_dp.entrypoints.llm import LLM  # noqa: E402
@@ -31,11 +30,6 @@ MAX_TOKENS = 12
 
 def greedy(max_tokens=MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

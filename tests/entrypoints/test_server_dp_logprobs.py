@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from model_utils import prompts_of_lengths
-from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME, served
 
 from deepinfer_dp import LLM, SamplingParams
 
@@ -14,11 +14,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = prompts_of_lengths([7, 12, 5, 9])
 PARAMS = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4, logprobs=3, prompt_logprobs=2)
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -39,17 +39,19 @@ def unit(lo: float, hi: float) -> st.SearchStrategy:
 plain = st.text(max_size=24)
 text = st.one_of(plain, plain, plain, plain, st.sampled_from(["\ud800x", "<|im_end|>", "Hello, world"]))
 token_ids = st.lists(st.integers(0, 399), min_size=1, max_size=12)
-bad_ids = st.lists(st.integers(-3, 420), max_size=12)
+# past every 64-bit bound too (top_k 2**64 was a 500 when msgpack could not carry it)
+huge = st.integers(2**31, 2**70) | st.integers(-(2**70), -(2**63))
+bad_ids = st.lists(st.integers(-3, 420) | huge, max_size=12)
 # (never null: no limit means the whole context, a long run for nothing new)
-few_tokens = field(st.integers(1, 3), st.integers(-1, 0) | st.integers(10**4, 10**6),
+few_tokens = field(st.integers(1, 3), st.integers(-1, 0) | st.integers(10**4, 10**6) | huge,
                    json_value.filter(lambda v: v is not None))
 
 COMMON = {
-    "n": field(st.integers(1, 2), st.integers(-1, 6)),
+    "n": field(st.integers(1, 2), st.integers(-1, 6) | huge),
     "max_tokens": few_tokens,
     "temperature": field(unit(0, 2), unit(-3, 3)),
     "top_p": field(unit(0.01, 1), unit(-0.5, 1.5)),
-    "top_k": field(st.integers(-1, 500), st.integers(-9, -2)),
+    "top_k": field(st.integers(-1, 500), st.integers(-9, -2) | huge),
     "min_p": field(unit(0, 1), unit(-0.5, 1.5)),
     "seed": field(st.integers(-(2**63), 2**63 - 1), st.integers(-(2**65), 2**65)),
     "stop": field(text | st.lists(text, max_size=3)),
@@ -63,13 +65,13 @@ COMMON = {
                                         max_size=3)),
     "stop_token_ids": field(st.lists(st.integers(0, 399), max_size=3), bad_ids),
     "include_stop_str_in_output": field(st.booleans()),
-    "min_tokens": field(st.integers(0, 1), st.integers(-1, 10)),
+    "min_tokens": field(st.integers(0, 1), st.integers(-1, 10) | huge),
     "ignore_eos": field(st.booleans()),
     "user": field(text),
 }
 COMPLETION = {
     **COMMON,
-    "logprobs": field(st.integers(0, 5), st.integers(-1, 22)),
+    "logprobs": field(st.integers(0, 5), st.integers(-1, 22) | huge),
     "echo": field(st.booleans()),
     "best_of": field(st.none(), st.integers(0, 5)),
     "suffix": field(st.just(""), text),
@@ -82,7 +84,7 @@ CHAT = {
     **{k: v for k, v in COMMON.items() if k != "max_tokens"},
     "max_completion_tokens": few_tokens,
     "logprobs": field(st.booleans()),
-    "top_logprobs": field(st.integers(0, 5), st.integers(-1, 22)),
+    "top_logprobs": field(st.integers(0, 5), st.integers(-1, 22) | huge),
     "response_format": field(st.just({"type": "text"}), st.just({"type": "json_object"})),
     "tools": field(st.just([])),
     "tool_choice": field(st.just("none"), st.sampled_from(["auto", "required"])),

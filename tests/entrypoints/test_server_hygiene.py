@@ -14,17 +14,12 @@ import threading
 
 import httpx
 import pytest
-from server_utils import MODEL_NAME, served, tiny_model_dir
+from server_utils import MODEL_NAME, served
 
 from deepinfer_dp.entrypoints.openai import serving_completion
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
 
 BODY = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

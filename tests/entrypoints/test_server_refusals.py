@@ -69,7 +69,7 @@ CHAT = [
     ({**H, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      400, "response_format.json_schema.schema"),
     ({**H, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
-    ({**H, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({**H, "response_format": {"type": "xml"}}, 400, "response_format.type"),  # the nested field itself
     ({**H, "tools": [TOOL]}, 400, "tool_choice"),  # the default "auto" needs --enable-auto-tool-choice
     ({**H, "tool_choice": "required"}, 400, "tool_choice"),  # without tools
     ({**H, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,

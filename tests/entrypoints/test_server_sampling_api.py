@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 from model_utils import prompts_of_lengths
-from server_utils import ENGINE_OPTIONS, MODEL_NAME, served, tiny_model_dir
+from server_utils import ENGINE_OPTIONS, MODEL_NAME
 from transformers import AutoTokenizer
 
 from deepinfer_dp import LLM, SamplingParams
@@ -19,17 +19,6 @@ from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPT = prompts_of_lengths([9])[0]
 TOL = 1e-5  # the same engine code on both sides
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with served(model_dir) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.layers.mla import allocate_mla_cache
 from deepinfer_dp.models import load_model
 from deepinfer_dp.sampling_params import SamplingParams
-from deepinfer_dp.spec_decode.mtp import load_mtp_layer
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +68,8 @@ def reference_mtp_logits(model_dir, tokens: torch.Tensor, hidden: torch.Tensor) 
 # ---- the MTP forward in isolation -----------------------------------------------------------
 def test_mtp_forward_matches_reference(mtp_dir):
     """A 21-token prefill pass through the paged cache, then 3 decode steps reading it back."""
-    target = load_model(str(mtp_dir), torch.float32, "cpu").model
-    mtp = load_mtp_layer(target)
-    config = target.config
+    loaded = load_model(str(mtp_dir), torch.float32, "cpu", mtp=True)
+    mtp, config = loaded.mtp, loaded.hf_config
     cache = allocate_mla_cache(config, 16, 4, torch.float32, "cpu")[0]
     mtp.bind_kv_cache(cache)
     gen = torch.Generator().manual_seed(0)
@@ -92,13 +90,14 @@ def test_mtp_forward_matches_reference(mtp_dir):
 def test_mtp_layer_holds_its_expert_parallel_share(mtp_dir):
     """Under EP (rank 1 of 2) the MTP layer allocates and loads only its experts 4-7, the full
     layer's tensors; rebinding the target to a group of one (re-formed) reloads all 8."""
-    full = load_mtp_layer(load_model(str(mtp_dir), torch.float32, "cpu").model).experts
-    target = load_model(str(mtp_dir), torch.float32, "cpu", expert_shard=(1, 2)).model
-    mtp = load_mtp_layer(target)
+    full = load_model(str(mtp_dir), torch.float32, "cpu", mtp=True).mtp.experts
+    loaded = load_model(str(mtp_dir), torch.float32, "cpu", expert_shard=(1, 2), mtp=True)
+    target, mtp = loaded.model, loaded.mtp
     moe = mtp.experts
     assert (moe.first_expert, moe.end_expert) == (4, 8) and moe.w13.shape[0] == moe.w2.shape[0] == 4
     assert torch.equal(moe.w13, full.w13[4:]) and torch.equal(moe.w2, full.w2[4:])
     assert target.nextn == (mtp,)
+    assert load_model(str(mtp_dir), torch.float32, "cpu").mtp is None  # only when asked for
     target.bind_ep_group(None, "all_to_all")
     moe = mtp.experts
     assert (moe.first_expert, moe.end_expert) == (0, 8) and moe.dispatcher is None

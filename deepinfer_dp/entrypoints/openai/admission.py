@@ -11,19 +11,10 @@ here, on the server, so it holds the same way for one engine and for the DP rout
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from deepinfer_dp.config_file import ServerLimits
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_request_body_bytes: int = 16 * 2**20
-    max_n: int = 128
-    max_prompts: int = 256  # prompts in one completions request
-    max_waiting_requests: int = 1024  # engine requests admitted and not yet at their first token
-    chat_special_tokens_as_text: bool = True  # special-token strings in chat content stay plain text
-    tool_call_parser: str | None = None  # reads tool calls for tool_choice "auto"; None: auto refused
 
 
 class QueueFull(Exception):

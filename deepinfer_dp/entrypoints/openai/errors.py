@@ -4,12 +4,15 @@ request that fails to parse is described in it: which field (`param`) and what i
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from deepinfer_dp.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 
 class _AsciiJSON(JSONResponse):
@@ -23,7 +26,13 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    if status == 400:  # the operator sees why a client fails, not only the access line
+        logger.info("400 Bad Request (param %s): %s", param, message)
     return _AsciiJSON(body.model_dump(), status_code=status, headers=headers)
+
+
+# Request fields that hold objects: an error inside one names the nested field.
+NESTED_OBJECTS = ("stream_options", "response_format", "structured_outputs", "tools", "tool_choice")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -43,20 +52,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def field_path(err: dict) -> list[str]:
     """The field an error is about: `body` and pydantic's union-branch tags (e.g. `list[int]`)
-    dropped; the top-level field, or messages.<i>.<field> for a message (down to the field of
-    a tool call it sends back: messages.<i>.tool_calls.<j>.function...)."""
+    dropped; the top-level field, the whole path inside a request object (NESTED_OBJECTS), or
+    messages.<i>.<field> for a message (down to the field of a tool call it sends back:
+    messages.<i>.tool_calls.<j>.function...)."""
     path: list[str] = []
     for x in err.get("loc", ()):
         if x == "body":
+            continue
+        if isinstance(x, str) and x[:1].isupper():  # a union's model branch (NamedToolChoice)
             continue
         if isinstance(x, str) and "[" in x:
             if path[-1:] != ["tool_calls"]:
                 break
             continue
         path.append(str(x))
-    if path[:1] != ["messages"]:
-        return path[:1]
-    return path if path[2:3] == ["tool_calls"] else path[:3]
+    if path[:1] == ["messages"]:
+        return path if path[2:3] == ["tool_calls"] else path[:3]
+    # an object's field by its own name (stream_options.continuous_usage_stats), not its parent's
+    return path if path[:1] and path[0] in NESTED_OBJECTS else path[:1]
 
 
 def _describe(errs: list[dict]) -> str:

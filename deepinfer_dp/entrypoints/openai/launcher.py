@@ -1,5 +1,6 @@
-"""Starting the OpenAI server: `deepinfer-dp serve` (add_serve_args + run_serve), run_server
-for a blocking server, and ServerThread for a server in the background (tests, benchmarks).
+"""Starting the OpenAI server: `deepinfer-dp serve` (add_serve_args + run_serve), and
+ServerThread for a server in the background (tests, benchmarks); run_server, the blocking
+server, lives in http_server.py (re-exported here) so that api_servers.py needs nothing from here.
 
 dp_size 1 serves one in-process engine (LocalEngineClient); dp_size > 1 serves through the
 router process of deepinfer_dp.cluster (RouterClient, the same EngineClient protocol). With
@@ -10,29 +11,36 @@ router process of deepinfer_dp.cluster (RouterClient, the same EngineClient prot
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
 import uvicorn
-from prometheus_client import start_http_server
 
+from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineClient
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
+from deepinfer_dp.entrypoints.openai.api_servers import run_api_servers
+from deepinfer_dp.entrypoints.openai.draining import exit_at_once
+from deepinfer_dp.entrypoints.openai.http_server import (  # noqa: F401 (DEFAULT_PORT, run_server: re-exported)
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    run_server,
+    server_config,
+    stop_when_the_engine_dies,
+)
 from deepinfer_dp.entrypoints.openai.server import build_app
 
-DEFAULT_HOST = "127.0.0.1"  # loopback unless asked otherwise
-DEFAULT_PORT = 8000
+CLUSTER_STOP_S = 4.0  # after the HTTP server's drain: the router, the ranks, the private Ray instance
 
 
 class ServerThread:
     """uvicorn in a background thread; `port` is the bound port (ask for 0 to get a free one)."""
 
-    def __init__(self, client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+    def __init__(self, client: EngineClient, served_model_name: str | list[str] | None = None,
+                 api_key: str | None = None,
                  host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None) -> None:
         self.app = build_app(client, served_model_name, api_key, limits)
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.died = _stop_when_the_engine_dies(client, self.server)
+        self.server = uvicorn.Server(server_config(self.app, host, port, limits, "warning"))
+        self.died = stop_when_the_engine_dies(client, self.server)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="deepinfer-http", daemon=True)
 
@@ -57,49 +65,6 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
-def run_server(client: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
-               host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
-               sockets: list | None = None, limits: ServerLimits | None = None) -> int:
-    """Serves until interrupted (Ctrl-C): returns 0, or 1 when the engine died (the server
-    then stops by itself, so a supervisor sees the process end and restarts it). /metrics is
-    always on `port`; `metrics_port` serves the same registry on a port of its own too.
-    `sockets`: already listening sockets to serve on (shared by several API servers)."""
-    app = build_app(client, served_model_name, api_key, limits)
-    if metrics_port is not None:
-        start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
-    died = _stop_when_the_engine_dies(client, server)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
-    # handler it found; with this one that ends here, so the caller stops the engine and the
-    # process exits with status 0 (outside server.run the default handlers apply).
-    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
-    previous = {sig: signal.signal(sig, _already_handled) for sig in handled}
-    try:
-        server.run(sockets=sockets)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 1 if died else 0
-
-
-def _already_handled(signum: int, frame) -> None:
-    """uvicorn already shut the server down for this signal."""
-
-
-def _stop_when_the_engine_dies(client: EngineClient, server: uvicorn.Server) -> list[BaseException]:
-    """An in-process engine whose loop failed stops the server, instead of a process that is
-    up but answers 503 forever. Returns the list its error lands in."""
-    died: list[BaseException] = []
-
-    def stop(error: BaseException) -> None:
-        died.append(error)
-        server.should_exit = True
-
-    if hasattr(client, "on_fatal"):
-        client.on_fatal = stop
-    return died
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`deepinfer-dp serve [MODEL] [--config FILE] [flags]`: the deployment flags of
     deepinfer_dp.config_file (a flag given wins over the file) plus the server's own."""
@@ -107,16 +72,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                         help="Hugging Face directory or .gguf file (the same as --model)")
-    add_config_args(parser)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the model's name)")
+    add_config_args(parser)  # --served-model-name among them (ServerSection)
     return parser
 
 
+# The default model's names: its own, and the Hugging Face repo id that vLLM users send.
+DEFAULT_MODEL_NAMES = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
 def default_model_name(model: str | None) -> str:
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    return model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    """The model argument as given, as vLLM serves it (the default model's own name for None)."""
+    return DEFAULT_MODEL_NAMES[0] if model is None else model
+
+
+def served_names(names: list[str] | None, model: str | None) -> list[str]:
+    """What clients may send as `model`: --served-model-name, else the model as given; the
+    first name is the one answers carry."""
+    if names:
+        return list(names)
+    return list(DEFAULT_MODEL_NAMES) if model is None else [model]
 
 
 def make_local_client(model: str | None, served_model_name: str | None = None,
@@ -143,22 +117,23 @@ class DPClient:
 
     def shutdown(self) -> None:
         self.router.close()
-        self.deployment.shutdown()
+        self.deployment.shutdown(CLUSTER_STOP_S)
 
 
 def make_dp_client(model: str | None, dp_size: int, served_model_name: str | None = None,
-                   policy: str = "round_robin", dp_options: dict | None = None, **engine_options) -> DPClient:
-    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient protocol)."""
+                   dp_options: DPSettings | dict | None = None, **engine_options) -> DPClient:
+    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient
+    protocol), deployed as `dp_options` say (DPSettings.of: the settings or a dict of their names)."""
     from deepinfer_dp.cluster.dp_driver import connect, per_rank_threads
     from deepinfer_dp.cluster.ray_launcher import RayDeployment
     from deepinfer_dp.config import EngineConfig
 
     config = per_rank_threads(EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options))
-    options = {"policy": policy, **(dp_options or {})}
-    deployment = RayDeployment(config, **options)
+    settings = DPSettings.of(dp_options)
+    deployment = RayDeployment(config, settings)
     name = served_model_name or default_model_name(model)
     try:
-        router = connect(deployment.frontend, deployment.infos[0], model, name, options.get("host", DEFAULT_HOST),
+        router = connect(deployment.frontend, deployment.infos[0], model, name, settings.router.data_plane_host,
                          deployment.key)
     except BaseException:
         deployment.shutdown()
@@ -169,29 +144,33 @@ def make_dp_client(model: str | None, dp_size: int, served_model_name: str | Non
 def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `deepinfer-dp serve` (after add_serve_args)."""
     from deepinfer_dp.config_file import ConfigError, load_config
+    from deepinfer_dp.entrypoints.openai.api_key import resolve_api_key
 
     try:
         deployment = load_config(args, model=args.model_path)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    try:  # before anything starts, so that no child process inherits the key's variable
+        key = resolve_api_key(deployment.server.api_key, deployment.server.api_key_file)
+    except ValueError as e:
+        raise SystemExit(f"deepinfer-dp serve: {e}") from None
+    deployment.server = deployment.server.model_copy(update={"api_key": key, "api_key_file": None})
     engine = deployment.engine_options()
-    name = args.served_model_name or default_model_name(deployment.model)
+    names = served_names(deployment.server.served_model_name, deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
     if deployment.server.api_server_count > 1:
-        from deepinfer_dp.entrypoints.openai.api_servers import run_api_servers
-
-        raise SystemExit(run_api_servers(deployment, name))
+        raise SystemExit(run_api_servers(deployment, names))
     if deployment.dp_size > 1:
-        client = make_dp_client(deployment.model, deployment.dp_size, name, dp_options=deployment.dp_options(),
+        client = make_dp_client(deployment.model, deployment.dp_size, names[0], dp_options=deployment.dp_settings(),
                                 **engine)
     else:
-        client = make_local_client(deployment.model, name, **engine)
+        client = make_local_client(deployment.model, names[0], **engine)
     server = deployment.server
     try:
-        code = run_server(client, name, server.api_key, server.host, server.port, deployment.metrics.port,
-                          limits=server.limits())
+        code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
+                          limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s)
     finally:
         client.shutdown()
     if code:
@@ -201,7 +180,8 @@ def run_serve(args: argparse.Namespace) -> None:
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m deepinfer_dp.entrypoints.openai.launcher ...` without the CLI."""
     parser = add_serve_args(argparse.ArgumentParser(prog="deepinfer-dp serve"))
-    run_serve(parser.parse_args(argv))
+    with exit_at_once():
+        run_serve(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

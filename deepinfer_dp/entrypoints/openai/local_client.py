@@ -126,7 +126,7 @@ class LocalEngineClient:
         if kind == "add":
             _, engine_id, ids, params, stream = command
             try:
-                self.engine.add_request(None, params, ids, engine_id)
+                self.engine.add_checked(ids, params, engine_id)  # generate() takes validated requests
             except ValueError as e:
                 _put(stream, RequestRejected(str(e)))
                 return

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from deepinfer_dp.sampling_params import DEFAULT_MAX_TOKENS
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -43,6 +45,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 # ---- structured output and tools ----------------------------------------------------------
@@ -67,6 +70,12 @@ class StructuredOutputsRequest(_Request):
     grammar: Text | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: Text | None = None  # a regex for the whitespace between JSON tokens
+    json_object_max_depth: int | None = None  # ours: json_object's nesting bound (default in backend.py)
+    disable_fallback: bool = False  # accepted and ignored: there is one grammar library, no fallback
+    # Refused unless unset (unsupported.py): they would change the output and are not implemented.
+    disable_additional_properties: Any = None
+    structural_tag: Any = None
 
 
 class FunctionDefinition(_Request):
@@ -121,15 +130,57 @@ class SamplingFields(_Request):
     store: Any = None  # refused unless false
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older structured-output fields: aliases of structured_outputs (guided.py)
+    guided_json: dict[Text, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    guided_decoding_backend: Text | None = None  # accepted and ignored: one grammar library here
+    # vLLM's own request fields: accepted where the value changes nothing, else refused with
+    # why (unsupported.VLLM); the table in docs/serving.md says what happens to each.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    request_id: Any = None
+    session_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    return_mm_kwargs: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats`: with include_usage, every chunk
+        carries the usage so far (the last one, without choices, the total as without it)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # unsent: the model's default, if it has one
     logprobs: int | None = None
     echo: bool = False
     suffix: Any = None  # refused (unsupported.py)
     best_of: int | None = None  # refused above n
+    add_special_tokens: Any = None  # vLLM's; true (the default) only
+    prompt_embeds: Any = None  # vLLM's; refused
 
 
 class ContentPart(_Request):
@@ -181,6 +232,18 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    # vLLM's chat fields (unsupported.VLLM_CHAT): accepted at their defaults, else refused
+    include_reasoning: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
 
 
 # ---- responses ---------------------------------------------------------------------------

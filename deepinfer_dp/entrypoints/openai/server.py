@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
-from deepinfer_dp.entrypoints.openai import serving_chat, serving_completion
+from deepinfer_dp.entrypoints.openai import routes_utility, serving_chat, serving_completion
 from deepinfer_dp.entrypoints.openai.admission import RETRY_AFTER_S, BodyLimit, QueueFull, ServerLimits
 from deepinfer_dp.entrypoints.openai.errors import error_response, validation_message
 from deepinfer_dp.entrypoints.openai.protocol import (
@@ -33,10 +34,13 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     ModelList,
     random_id,
 )
+from deepinfer_dp.entrypoints.openai.request_body import body_of, document_bodies, openapi_body
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, run_choices
 from deepinfer_dp.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+CompletionBody = Annotated[CompletionRequest, Depends(body_of(CompletionRequest))]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(body_of(ChatCompletionRequest))]
 
 
 def _engine_error(e: EngineError) -> OpenAIError:
@@ -66,7 +70,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        # its headers too: a 405 says which methods the route allows (Allow)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, e: QueueFull) -> JSONResponse:
@@ -159,22 +164,36 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_app(client: EngineClient, served_model_name: str | None = None,
+def _judged(rank: dict, stall_timeout_s: float) -> dict:
+    """One rank of /health with its state: down, stalled (it has work and finished no step
+    within `stall_timeout_s`: frozen, or one step that long) or ok."""
+    age = rank.get("step_age_s")
+    if not rank.get("up"):
+        return {**rank, "state": "down"}
+    if age is not None and age > stall_timeout_s:
+        return {**rank, "state": "stalled", "reason": f"DP rank {rank.get('dp_rank')} has work and finished no "
+                                                      f"step for {age:.1f}s (limit {stall_timeout_s:g}s)"}
+    return {**rank, "state": "ok"}
+
+
+def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    model_name = served_model_name or client.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [client.model_name]
+    model_name = names[0]  # the name answers carry, as vLLM's first served name
     metrics = ServerMetrics(client, model_name)
     limits = limits or ServerLimits()
     ctx = ServingContext(client, model_name, metrics, limits)
     app = FastAPI(title="deepinfer-dp", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)
     app.state.ctx = ctx
+    app.state.model_names = names
     _install_error_handlers(app, metrics)
+    document_bodies(app, [CompletionRequest, ChatCompletionRequest])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
     def check_model(name: str) -> None:
-        if name != model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist. This server serves `{model_name}`.",
-                              param="model", code="model_not_found")
+        routes_utility.check_model(names, name)
 
     async def serve(req, module, request: Request):
         check_model(req.model)
@@ -185,30 +204,33 @@ def build_app(client: EngineClient, served_model_name: str | None = None,
         chunks = module.stream(ctx, req, await _primed(events), prompts)
         return StreamingResponse(_sse_guard(chunks), media_type="text/event-stream")
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    # The bodies are parsed by the routes' own dependency, off the event loop past a size.
+    @v1.post("/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(req: CompletionBody, request: Request):
         return await serve(req, serving_completion, request)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @v1.post("/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(req: ChatCompletionBody, request: Request):
         return await serve(req, serving_chat, request)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=client.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=client.max_model_len) for name in names])
 
     # Plain `def`: FastAPI runs these in its thread pool, so a router that asks the ranks
     # for their stats never blocks the event loop that streams tokens.
     @app.get("/health")
     def health() -> JSONResponse:
-        ranks = client.health()
-        up = sum(1 for r in ranks if r.get("up"))
-        status = "ok" if up == len(ranks) else "degraded" if up else "down"
-        return JSONResponse({"status": status, "ranks": ranks}, status_code=200 if up else 503)
+        ranks = [_judged(r, limits.stall_timeout_s) for r in client.health()]
+        states = [r["state"] for r in ranks]
+        status = ("down" if "ok" not in states and "stalled" not in states else "stalled" if "stalled" in states
+                  else "degraded" if "down" in states else "ok")
+        return JSONResponse({"status": status, "ranks": ranks}, status_code=200 if "ok" in states else 503)
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    routes_utility.install(app, v1)  # /v1/models/{id}, /tokenize, /version, /ping, /docs...
     app.include_router(v1)
     return app

@@ -28,12 +28,18 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     ServingContext,
     bad_request,
     check_common,
-    check_prompt,
+    check_request,
+    default_max_tokens,
     make_params,
     refuse_unsupported,
     stop_strings,
 )
-from deepinfer_dp.entrypoints.openai.structured import structured_params, tool_mode, tools_for_template
+from deepinfer_dp.entrypoints.openai.structured import (
+    constraint_field,
+    structured_params,
+    tool_mode,
+    tools_for_template,
+)
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolReader, joined
 from deepinfer_dp.sampling_params import MAX_LOGPROBS
 
@@ -88,9 +94,10 @@ def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
 
 
 async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
-    """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
+    """Checks the request (once, with the engine's validator); returns (prompts, params, stops)
+    or raises OpenAIError."""
     _check_fields(ctx, req)
-    # 400 for a schema, regex or grammar that does not parse, or tool_choice "auto" without a parser
+    # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
     messages = _messages(req)
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
@@ -102,10 +109,12 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     # max_completion_tokens wins; 0 is a value (refused below), not "no limit"
     limit, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                    else (req.max_tokens, "max_tokens"))
-    max_tokens = check_prompt(ids, limit, ctx.client, "messages", "messages", name)
+    defaults = ctx.client.input_processor.sampling_defaults
+    limit = default_max_tokens(limit, limit is not None, defaults, len(ids), ctx.client.max_model_len, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_params(req, max_tokens, logprobs, ctx.client.input_processor.vocab_size)
-    params.structured_outputs = constraint
+    wanted = make_params(req, limit, logprobs, defaults, structured_outputs=constraint)
+    names = {"prompt": "messages", "max_tokens": name, "structured_outputs": constraint_field(req)}
+    ids, params = check_request(ids, wanted, ctx.client, "messages", names)
     return [ids], [params], stops
 
 
@@ -161,10 +170,17 @@ def _read(reader: ToolReader | None, ev: ChoiceEvent) -> tuple[str, list, str | 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
                  prompts: list[list[int]]) -> AsyncIterator[str]:
     rid, tokens = random_id("chatcmpl"), {}
+    continuous = req.continuous_usage()
 
-    def chunk(choice: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
+    def usage() -> UsageInfo:
+        completion = sum(tokens.values())
+        return UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
+                         total_tokens=len(prompts[0]) + completion)
+
+    def chunk(choice: ChatStreamChoice | None, final: bool = False) -> str:
         choices = [choice] if choice else []
-        body = ChatCompletionChunk(id=rid, model=ctx.model_name, choices=choices, usage=usage)
+        body = ChatCompletionChunk(id=rid, model=ctx.model_name, choices=choices,
+                                   usage=usage() if final or continuous else None)
         return f"data: {body.model_dump_json()}\n\n"
 
     tools = tool_mode(req, ctx.limits.tool_call_parser)
@@ -179,7 +195,5 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
         yield chunk(ChatStreamChoice(index=ev.index, delta=ChatDelta(content=text or None, tool_calls=calls or None),
                                      finish_reason=reason, logprobs=_logprobs(ctx, ev) if req.logprobs else None))
     if req.stream_options and req.stream_options.include_usage:
-        completion = sum(tokens.values())
-        yield chunk(None, UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                                    total_tokens=len(prompts[0]) + completion))
+        yield chunk(None, final=True)
     yield "data: [DONE]\n\n"

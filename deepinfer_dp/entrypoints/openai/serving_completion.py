@@ -26,12 +26,14 @@ from deepinfer_dp.entrypoints.openai.serving_engine import (
     ServingContext,
     bad_request,
     check_common,
-    check_prompt,
+    check_request,
+    default_max_tokens,
     make_params,
     refuse_unsupported,
     stop_strings,
 )
-from deepinfer_dp.entrypoints.openai.structured import structured_params
+from deepinfer_dp.entrypoints.openai.structured import constraint_field, structured_params
+from deepinfer_dp.sampling_params import DEFAULT_MAX_TOKENS
 
 
 def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -66,20 +68,24 @@ def _check_fields(ctx: ServingContext, req: CompletionRequest) -> None:
 
 
 async def prepare(ctx: ServingContext, req: CompletionRequest) -> Prepared:
-    """Checks the request; returns (prompts, params, stops) or raises OpenAIError."""
+    """Checks the request (each prompt once, with the engine's validator); returns (prompts,
+    params, stops) or raises OpenAIError."""
     _check_fields(ctx, req)
-    constraint, _ = structured_params(req)  # 400 for a schema, regex or grammar that does not parse
+    constraint, _ = structured_params(req)
     prompts = await prompt_token_lists(ctx, req)
     stops = stop_strings(req)
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = []
+    defaults = ctx.client.input_processor.sampling_defaults
+    names = {"structured_outputs": constraint_field(req)}
+    checked_prompts, params = [], []
     for i, ids in enumerate(prompts):
-        which = "prompt" if len(prompts) == 1 else f"prompt {i}"
-        max_tokens = check_prompt(ids, req.max_tokens, ctx.client, which)
-        vocab_size = ctx.client.input_processor.vocab_size
-        params.append(make_params(req, max_tokens, req.logprobs, vocab_size, prompt_logprobs))
-        params[-1].structured_outputs = constraint
-    return prompts, params, stops
+        max_tokens = default_max_tokens(req.max_tokens, "max_tokens" in req.model_fields_set, defaults, len(ids),
+                                        ctx.client.max_model_len, DEFAULT_MAX_TOKENS)
+        wanted = make_params(req, max_tokens, req.logprobs, defaults, prompt_logprobs, constraint)
+        ids, checked = check_request(ids, wanted, ctx.client, "prompt" if len(prompts) == 1 else f"prompt {i}", names)
+        checked_prompts.append(ids)
+        params.append(checked)
+    return checked_prompts, params, stops
 
 
 class _ChoiceText:
@@ -158,13 +164,15 @@ async def stream(ctx: ServingContext, req: CompletionRequest, events: AsyncItera
                  prompts: list[list[int]]) -> AsyncIterator[str]:
     rid, tokens = random_id("cmpl"), {}
     states = _choice_texts(ctx, req, prompts)
+    continuous = req.continuous_usage()
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
         text, lp = states[ev.index].event(ev)
         if not text and ev.finish_reason is None and lp is None:
             continue  # nothing a client can see yet (held back for detokenization or stop strings)
         choice = CompletionChoice(index=ev.index, text=text, finish_reason=ev.finish_reason, logprobs=lp)
-        yield _sse(CompletionResponse(id=rid, model=ctx.model_name, choices=[choice]).model_dump_json())
+        usage = _usage(prompts, req.n, sum(tokens.values())) if continuous else None
+        yield _sse(CompletionResponse(id=rid, model=ctx.model_name, choices=[choice], usage=usage).model_dump_json())
     if req.stream_options and req.stream_options.include_usage:
         usage = _usage(prompts, req.n, sum(tokens.values()))
         body = CompletionResponse(id=rid, model=ctx.model_name, choices=[], usage=usage)

@@ -1,5 +1,10 @@
 """What both endpoints share: request checks, SamplingParams, and running the choices.
 
+A request's values are checked once, by the engine's validator (`check_request` calls
+InputProcessor.process for each prompt); what it refuses is a 400 whose `param` names the
+request field (`InvalidRequest.param`, renamed to this API's field where they differ). Fields
+the client did not send take the model's sampling defaults (engine/sampling_defaults.py).
+
 Blocking work on the request's text (tokenizing, the chat template) runs in a thread pool,
 so one huge prompt never stalls other streams or /health; every bound is checked before it.
 
@@ -22,6 +27,7 @@ from typing import Any, TypeVar
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
 from deepinfer_dp.engine.input_processor import InvalidRequest
+from deepinfer_dp.engine.sampling_defaults import FIELDS as DEFAULT_FIELDS
 from deepinfer_dp.entrypoints.openai.admission import Admission, ServerLimits
 from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer
 from deepinfer_dp.entrypoints.openai.detokenizer import IncrementalDetokenizer
@@ -30,6 +36,7 @@ from deepinfer_dp.entrypoints.openai.stop_watch import StopWatch
 from deepinfer_dp.entrypoints.openai.unsupported import unsupported_field
 from deepinfer_dp.metrics import ServerMetrics
 from deepinfer_dp.sampling_params import SamplingParams
+from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
 T = TypeVar("T")
 # What a checked request becomes: token ids per prompt, engine params per prompt, stop strings.
@@ -107,38 +114,49 @@ def check_common(req: SamplingFields, limits: ServerLimits) -> None:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
 
-def make_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-                prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams for one engine request (n=1; stop strings stay with the server)."""
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+# SamplingParams fields a request may leave to the model's defaults (max_tokens aside)
+_DEFAULTED = tuple(f for f in DEFAULT_FIELDS.values() if f != "max_tokens")
+
+
+def make_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                prompt_logprobs: int | None = None,
+                structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams for the request (n as asked; stop strings stay with the server); fields
+    the client did not send take `defaults`. Not checked here: check_request does that."""
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:  # OpenAI's range
         raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
-    values = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-              "repetition_penalty": req.repetition_penalty, "seed": req.seed,
-              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty}
-    for t in req.stop_token_ids or []:
-        if not 0 <= t < vocab_size:
-            raise bad_request(f"stop_token_ids: token id {t} is outside the vocabulary [0, {vocab_size})",
-                              "stop_token_ids")
-    try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-                              skip_special_tokens=req.skip_special_tokens, stop_token_ids=req.stop_token_ids,
-                              include_stop_str_in_output=req.include_stop_str_in_output,
-                              logit_bias=_logit_bias(req, vocab_size),
-                              **{k: v for k, v in values.items() if v is not None})
-    except ValueError as e:
-        field_name = str(e).split()[0].removeprefix("SamplingParams.")
-        raise bad_request(str(e).removeprefix("SamplingParams."), field_name) from e
+    values = {"seed": req.seed, "presence_penalty": req.presence_penalty,
+              "frequency_penalty": req.frequency_penalty}
+    for name in _DEFAULTED:
+        values[name] = getattr(req, name) if getattr(req, name) is not None else defaults.get(name)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, n=req.n,
+                          skip_special_tokens=req.skip_special_tokens, stop_token_ids=req.stop_token_ids,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          logit_bias=_logit_bias(req), structured_outputs=structured_outputs,
+                          **{k: v for k, v in values.items() if v is not None})
 
 
-def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys, so as strings."""
+def default_max_tokens(sent: int | None, was_sent: bool, defaults: dict, prompt_len: int,
+                       max_model_len: int, fallback: int | None) -> int | None:
+    """max_tokens as sent; unsent: the model's default (max_new_tokens) capped at the room
+    the prompt leaves, else `fallback` (completions: 16; chat: None, as much as fits)."""
+    if was_sent:
+        return sent
+    if "max_tokens" in defaults:
+        return max(1, min(defaults["max_tokens"], max_model_len - prompt_len))
+    return fallback
+
+
+def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings; the validator checks the ids."""
     if not req.logit_bias:
         return None
     bias = {}
     for key, value in req.logit_bias.items():
-        if not key.isascii() or not key.isdigit() or not 0 <= int(key) < vocab_size:
-            raise bad_request(f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if not key.isascii() or not key.isdigit() or len(key) > 20:
+            shown = key if len(key) <= 40 else key[:40] + "..."
+            raise bad_request(f"logit_bias: key {shown!r} is not a token id", "logit_bias")
         bias[int(key)] = value
     return bias
 
@@ -150,19 +168,24 @@ def stop_strings(req: SamplingFields) -> list[str]:
     return stops
 
 
-def check_prompt(ids: list[int], max_tokens: int | None, client: EngineClient, which: str = "prompt",
-                 param: str = "prompt", max_param: str = "max_tokens") -> int:
-    """Checks one tokenized prompt with the engine's validator; returns the max_tokens to ask
-    for. `param` / `max_param` name the request fields an error points at."""
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
+def check_request(ids: list[int], params: SamplingParams, client: EngineClient, which: str = "prompt",
+                  names: dict[str, str] | None = None) -> tuple[list[int], SamplingParams]:
+    """The engine's validator, once for this prompt: the prompt and params it accepted (max
+    tokens resolved), or a 400 naming the field. `names` renames the validator's field names
+    to this request's (e.g. prompt -> messages, max_tokens -> max_completion_tokens,
+    structured_outputs.json -> response_format.json_schema.schema)."""
+    names = names or {}
     try:
-        ids, params = client.input_processor.process(ids, SamplingParams(max_tokens=max_tokens),
-                                                     None if which == "prompt" else which, max_tokens_must_fit=True)
+        return client.input_processor.process(ids, params, None if which == "prompt" else which,
+                                              max_tokens_must_fit=True)
     except InvalidRequest as e:
-        message = str(e) if max_param == "max_tokens" else str(e).replace("max_tokens", max_param)
-        raise bad_request(message, {"prompt": param, "max_tokens": max_param}.get(e.param, e.param)) from e
-    return params.max_tokens
+        param, message = e.param, str(e)
+        if param is not None and param.startswith("structured_outputs") and names.get("structured_outputs"):
+            message = message.replace(param, names["structured_outputs"], 1)
+            param = names["structured_outputs"]
+        elif param == "max_tokens" and names.get("max_tokens"):
+            message = message.replace("max_tokens", names["max_tokens"])
+        raise bad_request(message, names.get(param, param)) from e
 
 
 async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list[int], params: SamplingParams,

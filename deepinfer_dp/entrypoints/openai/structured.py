@@ -6,8 +6,10 @@ One request asks for at most one of:
   - `structured_outputs`: vLLM's extension, json / regex / choice / grammar / json_object;
   - `tools` with `tool_choice` "required" or a named function (chat): the output is JSON
     constrained to the tools' parameter schemas, answered as OpenAI `tool_calls`.
-Each becomes a StructuredOutputsParams checked by the grammar library here, so a schema,
-regex or grammar it cannot read is a 400 naming the request field, before anything is queued.
+Each becomes a StructuredOutputsParams, checked with the rest of the request by the engine's
+validator (structured_output/limits.py: the grammar library reads it, within bounds), so a
+schema, regex or grammar it cannot read, or one past a bound, is a 400 naming the request
+field (`constraint_field`), before anything is queued.
 `tool_choice: "auto"` (the default with tools) leaves the text free: the model decides, and
 the server's tool-call parser (`--enable-auto-tool-choice`, Hermes format) reads calls out of
 it (tool_calls.py). Without the parser it is a 400.
@@ -15,10 +17,12 @@ it (tool_calls.py). Without the parser it is a 400.
 
 from __future__ import annotations
 
+from deepinfer_dp.entrypoints.openai import unsupported
+from deepinfer_dp.entrypoints.openai.guided import apply_guided
 from deepinfer_dp.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
-from deepinfer_dp.entrypoints.openai.serving_engine import bad_request
+from deepinfer_dp.entrypoints.openai.serving_engine import bad_request, refuse_unsupported
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolMode
-from deepinfer_dp.structured_output import backend
+from deepinfer_dp.structured_output import limits
 from deepinfer_dp.structured_output.params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
@@ -28,6 +32,7 @@ def structured_params(req: SamplingFields, tool_parser: str | None = None,
                       ) -> tuple[StructuredOutputsParams | None, ToolMode | None]:
     """The request's constraint (None: free text) and, for tool calls, how to read the answer.
     `tool_parser`: the server's parser for tool_choice "auto" (None: auto is refused)."""
+    apply_guided(req)  # vLLM's older guided_* fields become structured_outputs
     asked = [name for name in ("response_format", "structured_outputs") if _asks(req, name)]
     tools = tool_mode(req, tool_parser) if isinstance(req, ChatCompletionRequest) else None
     if tools and tools.kind == "auto":
@@ -43,10 +48,18 @@ def structured_params(req: SamplingFields, tool_parser: str | None = None,
     if not asked:
         return None, None
     if tools:
-        return _check(_tools_params(req, tools), "tools"), tools
+        return _tools_params(req, tools), tools
     if asked[0] == "response_format":
-        return _check(_response_format(req), "response_format.json_schema.schema"), None
-    return _check(_vllm_params(req), f"structured_outputs.{_vllm_kind(req)}"), None
+        return _response_format(req), None
+    return _vllm_params(req), None
+
+
+def constraint_field(req: SamplingFields) -> str | None:
+    """The request field a constraint from structured_params came from, for a 400 about it
+    (None: the validator's own name, structured_outputs.<kind>, is the field)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice not in (None, "none", "auto"):
+        return "tools"
+    return "response_format.json_schema.schema" if _asks(req, "response_format") else None
 
 
 def _asks(req: SamplingFields, name: str) -> bool:
@@ -56,7 +69,7 @@ def _asks(req: SamplingFields, name: str) -> bool:
 
 def _check(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
     try:
-        backend.check(params)
+        limits.check(params)
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param) from e
     return params
@@ -72,17 +85,14 @@ def _response_format(req: SamplingFields) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=fmt.json_schema.schema_ or ANY_OBJECT)
 
 
-def _vllm_kind(req: SamplingFields) -> str:
-    so = req.structured_outputs
-    return next((k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                ("grammar", so.grammar), ("json_object", so.json_object)) if v), "json")
-
-
 def _vllm_params(req: SamplingFields) -> StructuredOutputsParams:
     so = req.structured_outputs
+    refuse_unsupported(so, unsupported.STRUCTURED_OUTPUTS, "structured_outputs.")
     try:
         return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                                       whitespace_pattern=so.whitespace_pattern,
+                                       json_object_max_depth=so.json_object_max_depth)
     except ValueError as e:
         raise bad_request(str(e), "structured_outputs") from e
 
@@ -124,9 +134,10 @@ def _tools_params(req: ChatCompletionRequest, mode: ToolMode) -> StructuredOutpu
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "parameters": t.function.parameters or ANY_OBJECT},
               "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
-    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if req.parallel_tool_calls is False:
-        array["maxItems"] = 1
+    # at most one call per tool (one with parallel_tool_calls false), so that a weak model
+    # cannot repeat calls until max_tokens
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+             "maxItems": 1 if req.parallel_tool_calls is False else len(req.tools)}
     return StructuredOutputsParams(json=array)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_dp.layers.sampler import apply_min_p, apply_top_k_top_p
+from deepinfer_dp.layers.sampling_filters import apply_min_p, apply_top_k_top_p
 
 _MIN_NOISE = 1e-20
 

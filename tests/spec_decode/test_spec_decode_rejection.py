@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_dp.spec_decode.rejection import DraftRows, draft_distribution, exponential_race, verify
+from deepinfer_dp.layers.rejection_sampler import DraftRows, draft_distribution, exponential_race, verify
 
 P = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 Q = torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1])

@@ -93,7 +93,7 @@ def test_exactly_one_kind_per_request():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="ignore_eos"):
-        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")).verify()
 
 
 class _GatedBuilds:

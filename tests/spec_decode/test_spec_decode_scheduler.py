@@ -19,7 +19,7 @@ def fresh(**kw) -> _C.Scheduler:
 
 def decoding(sched: _C.Scheduler, prompt: list[int], first: int, **limits) -> _C.Sequence:
     """A request prefilled and given its first token: decode-ready, nothing in flight."""
-    seq = _C.Sequence("r", prompt, _C.SequenceLimits(**limits))
+    seq = _C.Sequence("r", prompt, _C.SequenceLimits(**{"max_tokens": 16, **limits}))
     sched.add_sequence(seq)
     out = sched.schedule()
     assert out.is_prompt
@@ -116,12 +116,12 @@ def test_prefix_cache_keys_only_accepted_tokens():
     sched.process_outputs(sched.schedule(), np.array([8, 9, 52, 53]))  # 8 accepted, 9 is the target's
     assert seq.data.get_token_ids() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     # a new prompt equal to the accepted history finds its two full blocks cached...
-    hit = _C.Sequence("hit", [1, 2, 3, 4, 5, 6, 7, 8, 1], _C.SequenceLimits())
+    hit = _C.Sequence("hit", [1, 2, 3, 4, 5, 6, 7, 8, 1], _C.SequenceLimits(max_tokens=16))
     sched.add_sequence(hit)
     sched.schedule()
     assert hit.num_cached_tokens == 8
     # ...and one following the rejected drafts does not get their block
-    miss = _C.Sequence("miss", [1, 2, 3, 4, 5, 6, 7, 8, 50, 51, 0, 0, 1], _C.SequenceLimits())
+    miss = _C.Sequence("miss", [1, 2, 3, 4, 5, 6, 7, 8, 50, 51, 0, 0, 1], _C.SequenceLimits(max_tokens=16))
     sched.add_sequence(miss)
     sched.schedule()
     assert miss.num_cached_tokens == 8
@@ -130,7 +130,7 @@ def test_prefix_cache_keys_only_accepted_tokens():
 def test_drafts_make_room_before_preempting():
     sched = fresh(num_blocks=4, max_model_len=12)  # 3 usable blocks of 4
     seq = decoding(sched, [1, 2, 3, 4, 5, 6, 7], first=8)
-    other = _C.Sequence("o", [9, 9, 9], _C.SequenceLimits())
+    other = _C.Sequence("o", [9, 9, 9], _C.SequenceLimits(max_tokens=16))
     sched.add_sequence(other)
     sched.process_outputs(sched.schedule(), np.array([9]))
     sched.set_drafts(seq, [10, 11, 12, 13])  # would need a fourth block
@@ -146,7 +146,7 @@ def test_set_drafts_guards():
         sched.set_drafts(seq, [5, 100])
     with pytest.raises(ValueError, match="more than 64"):
         sched.set_drafts(seq, [5] * 65)
-    waiting = _C.Sequence("w", [1, 2], _C.SequenceLimits())
+    waiting = _C.Sequence("w", [1, 2], _C.SequenceLimits(max_tokens=16))
     with pytest.raises(ValueError, match="not a live sequence"):
         sched.set_drafts(waiting, [5])
     sched.add_sequence(waiting)
