@@ -66,6 +66,8 @@ class EngineConfig:
                                         "the next one")
     cpu_linear_kernel: bool = Field(True, description="fp32 on the CPU: decode-sized matrix products "
                                                       "through the C++ kernel")
+    batch_invariant: bool = Field(True, description="fp32 on the CPU: every row's floats independent of the "
+                                                    "batch (all products and attention in the C++ kernels)")
     packed_weights: bool = Field(True, description="fp32 on the CPU: GGUF Q4_0/Q4_1/Q8_0 and bf16 matrices "
                                                    "stay packed, widened inside the kernels")
     speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(parse_speculative_config)] = Field(

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "packed_linear_avx512.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -145,10 +146,26 @@ bool use_avx2(int K) {
 
 }  // namespace
 
+int input_row_block(int K) {
+  constexpr int64_t kBlockBytes = 1 << 20;
+  return static_cast<int>(std::max<int64_t>(8, kBlockBytes / (4 * static_cast<int64_t>(std::max(K, 1))) / 8 * 8));
+}
+
 void linear_columns(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n_begin,
                     int n_end) {
+  const int block = input_row_block(K);
+  if (M > block) {
+    for (int m = 0; m < M; m += block)
+      linear_columns(x + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N, std::min(block, M - m),
+                     N, K, n_begin, n_end);
+    return;
+  }
 #ifdef DEEPINFER_HAVE_AVX2
-  if (use_avx2(K)) return columns_avx2(x, w, bias, y, M, N, K, n_begin, n_end);
+  if (use_avx2(K)) {
+    // At up to 8 rows the weights stream from memory and the AVX2 tiles keep up with them.
+    if (M > 8 && packed_avx512_enabled()) return linear_many_rows_avx512(x, w, bias, y, M, N, K, n_begin, n_end);
+    return columns_avx2(x, w, bias, y, M, N, K, n_begin, n_end);
+  }
 #endif
   columns_scalar(x, w, bias, y, M, N, K, n_begin, n_end);
 }

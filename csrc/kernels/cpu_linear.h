@@ -13,6 +13,9 @@ namespace deepinfer {
 
 // x [M, K], w [N, K] (nn.Linear's layout), bias [N] or nullptr, y [M, N]; row-major fp32.
 // Computes the output columns [n_begin, n_end) only, so callers can split N across threads.
+// Past input_row_block(K) rows the inputs are taken a block at a time; with AVX-512 (and
+// DEEPINFER_DP_PACKED_AVX512 not "0") 9 and more rows run the pair tiles of
+// packed_linear_avx512.h. Neither changes a float.
 void linear_columns(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n_begin,
                     int n_end);
 
@@ -20,6 +23,12 @@ void linear_columns(const float *x, const float *w, const float *bias, float *y,
 // input rows are walked once per call, not once per tile of weight rows. Same floats.
 void linear_cached_rows(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                         int n_begin, int n_end);
+
+// Input rows a many-row product takes at a time: a block of x of about 1 MB stays in the L2
+// cache while every weight row of the call's columns passes over it (beyond it, x streamed
+// from L3 once per group of weight rows and the kernels fell behind torch's GEMM past ~256
+// rows). A multiple of 8, the tiles' input rows.
+int input_row_block(int K);
 
 // linear_columns over all N columns, split across up to `threads` threads of the shared pool
 // in multiples of 3 columns (one thread when the matrix is too small to pay for waking one).

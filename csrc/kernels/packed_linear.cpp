@@ -124,7 +124,13 @@ bool fused_ok(const PackedMatrix &w) {
 
 void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
                            int n_end) {
-  const int K = w.cols, N = w.rows;
+  const int K = w.cols, N = w.rows, block = input_row_block(K);
+  if (M > block) {  // a block of inputs in L2 against every group of weight rows; same floats
+    for (int m = 0; m < M; m += block)
+      packed_linear_columns(x + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,
+                            std::min(block, M - m), n_begin, n_end);
+    return;
+  }
 #ifdef DEEPINFER_PACKED_AVX2
   if (fused_ok(w)) {
     if (packed_avx512_enabled())

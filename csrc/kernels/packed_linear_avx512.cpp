@@ -141,9 +141,10 @@ AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const 
   }
 }
 
-template <class F>
-void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
-  const int K = w.cols;
+// The pairs of [n0, n1) against every input row, kGroupPairs pairs at a time, each group
+// widened by `widen(rows, pairs, buf)` into an aligned buffer kept per thread.
+template <class Widen>
+void pairs_of_columns(Widen widen, const float *x, const float *bias, float *y, int M, int N, int K, int n0, int n1) {
   // One 64-byte-aligned buffer per thread, kept between calls: kGroupPairs pairs of K floats each.
   thread_local std::vector<float> storage;
   storage.resize(static_cast<size_t>(kGroupPairs) * 2 * K + 16);
@@ -155,11 +156,29 @@ void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *
       rows[pairs][0] = r;
       rows[pairs][1] = std::min(r + 1, n1 - 1);
     }
-    widen_pairs<F>(w, rows, pairs, buf);
+    widen(rows, pairs, buf);
     int p = 0;
     for (; p + kTilePairs <= pairs; p += kTilePairs)
-      pairs_against_inputs<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, w.rows, K);
-    for (; p < pairs; ++p) pairs_against_inputs<1>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, w.rows, K);
+      pairs_against_inputs<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K);
+    for (; p < pairs; ++p) pairs_against_inputs<1>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K);
+  }
+}
+
+template <class F>
+void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  const auto widen = [&w](const int (*rows)[2], int pairs, float *buf) { widen_pairs<F>(w, rows, pairs, buf); };
+  pairs_of_columns(widen, x, bias, y, M, w.rows, w.cols, n0, n1);
+}
+
+// fp32 weight rows "widened" by copying them into the buffer's pair layout (K % 8 == 0).
+AVX512_KERNEL void copy_pairs(const float *w, int K, const int (*rows)[2], int pairs, float *buf) {
+  for (int p = 0; p < pairs; ++p) {
+    const float *a = w + static_cast<size_t>(rows[p][0]) * K, *b = w + static_cast<size_t>(rows[p][1]) * K;
+    float *out = buf + static_cast<size_t>(p) * 2 * K;
+    for (int k = 0; k < K; k += 8, out += 16) {
+      _mm256_store_ps(out, _mm256_loadu_ps(a + k));
+      _mm256_store_ps(out + 8, _mm256_loadu_ps(b + k));
+    }
   }
 }
 
@@ -184,8 +203,14 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
     case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
   }
 }
+void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,
+                             int n1) {
+  const auto copy = [w, K](const int (*rows)[2], int pairs, float *buf) { copy_pairs(w, K, rows, pairs, buf); };
+  pairs_of_columns(copy, x, bias, y, M, N, K, n0, n1);
+}
 #else
 bool packed_avx512_enabled() { return false; }
+void linear_many_rows_avx512(const float *, const float *, const float *, float *, int, int, int, int, int) {}
 void packed_few_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
 void packed_many_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
 #endif

@@ -24,4 +24,9 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
 void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
                              int n1);
 
+// The same tiles over an fp32 weight w [N, K] (nn.Linear's layout, K % 8 == 0), its rows
+// copied into the buffer's pair layout: cpu_linear's AVX2 chains, so the same floats.
+void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,
+                             int n1);
+
 }  // namespace deepinfer

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "packed_linear_avx512.h"
+#include "paged_attention_heads.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -131,6 +133,8 @@ void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DEEPINFER_HAVE_AVX2 1
 #define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+using attention_heads::hsum;
+using attention_heads::QueryHeads;
 
 // e^x for x <= 0 on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial;
 // within 2 ulp of libm's): the softmax of a long context takes as many exps as positions x
@@ -151,27 +155,6 @@ AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
-// Eight cache elements from p on, as fp32.
-AVX2_INLINE __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
-AVX2_INLINE __m256 load8(const uint16_t *p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-AVX2_INLINE float hsum(__m256 a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-// Lane p of the result = the sum of a[p]'s lanes.
-AVX2_INLINE __m256 hsum8x8(const __m256 a[8]) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 // Softmax of n scores in place, 8 lanes at a time.
 __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
   const float mx = *std::max_element(sc, sc + n);
@@ -187,41 +170,6 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
   for (; t < n; ++t) denom += (sc[t] = std::exp(sc[t] - mx));
   const float inv = 1.f / denom;
   for (t = 0; t < n; ++t) sc[t] *= inv;
-}
-
-// The scores of one query head against n positions from kt on, into sh (8 positions at a
-// time end in one tree of horizontal adds, the rest one by one).
-template <int D, class T>
-AVX2_INLINE void head_scores(const float *qh, const T *kt, size_t row, int n, __m256 sv, float scale, float *sh) {
-  constexpr int R = D / 8;
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 acc[8];
-    for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m256 qv = _mm256_loadu_ps(qh + 8 * r);
-      for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(qv, load8(kt + (i + p) * row + 8 * r), acc[p]);
-    }
-    _mm256_storeu_ps(sh + i, _mm256_mul_ps(hsum8x8(acc), sv));
-  }
-  for (; i < n; ++i) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * r), load8(kt + i * row + 8 * r), acc);
-    sh[i] = hsum(acc) * scale;
-  }
-}
-
-// out[0, D) += the n probabilities ph times the V rows from vt on.
-template <int D, class T>
-AVX2_INLINE void head_values(const float *ph, const T *vt, size_t row, int n, float *out) {
-  constexpr int R = D / 8;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + 8 * r);
-  for (int i = 0; i < n; ++i, vt += row) {
-    const __m256 w = _mm256_set1_ps(ph[i]);
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, load8(vt + 8 * r), acc[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
 // Asks for n cached positions from p on (`row` elements apart, the first `width` of each)
@@ -240,13 +188,17 @@ AVX2_INLINE void prefetch_rows(const T *p, size_t row, int width, int n) {
 // together, block by block, so each K and V row comes from memory once and is reused from L1
 // by all of them (at long contexts attention is bound by reading the cache). Each query
 // stops at its own context length, with the block-by-block split it would have alone, so its
-// floats do not depend on the queries around it.
-template <int D, class T>
+// floats do not depend on the queries around it. Heads (paged_attention_heads.h) does each
+// block's work: one query head at a time, or with AVX-512 up to three sharing each load.
+template <int D, class T, class Heads>
 __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, const PagedRows<T> &k,
                                                            const PagedRows<T> &v, float scale, float *scores) {
-  const __m256 sv = _mm256_set1_ps(scale);
   const int longest = *std::max_element(c.lens, c.lens + c.count);
   const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * c.heads + h) * longest; };
+  const auto heads_of = [&](int j, int t0) {
+    return QueryHeads{c.q + j * c.q_stride, scores_of(j, 0) + t0, c.out + j * c.q_stride, static_cast<size_t>(longest),
+                      c.heads, c.group};
+  };
   const int width = c.heads / c.group * D;  // elements of one position's K (or V) in this unit
   for (int t0 = 0; t0 < longest; t0 += k.block_size) {
     const T *kt = k.at(t0);
@@ -255,9 +207,7 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     else prefetch_rows(v.at(0), v.row, width, std::min(v.block_size, longest));
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(k.block_size, c.lens[j] - t0);
-      for (int h = 0; h < c.heads && n > 0; ++h)
-        head_scores<D, T>(c.q + j * c.q_stride + h * D, kt + h / c.group * D, k.row, n, sv, scale,
-                          scores_of(j, h) + t0);
+      if (n > 0) Heads::template block_scores<D, T>(heads_of(j, t0), kt, k.row, n, scale);
     }
   }
   for (int j = 0; j < c.count; ++j) {
@@ -270,8 +220,7 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     if (ahead < longest) prefetch_rows(v.at(ahead), v.row, width, std::min(v.block_size, longest - ahead));
     for (int j = 0; j < c.count; ++j) {
       const int n = std::min(v.block_size, c.lens[j] - t0);
-      for (int h = 0; h < c.heads && n > 0; ++h)
-        head_values<D, T>(scores_of(j, h) + t0, vt + h / c.group * D, v.row, n, c.out + j * c.q_stride + h * D);
+      if (n > 0) Heads::template block_values<D, T>(heads_of(j, t0), vt, v.row, n);
     }
   }
 }
@@ -285,9 +234,15 @@ using ChunkFn = void (*)(const QueryChunk &, const PagedRows<T> &, const PagedRo
 template <class T>
 ChunkFn<T> pick_chunk_fn(int head_dim) {
 #ifdef DEEPINFER_HAVE_AVX2
+  using attention_heads::HeadsAvx2;
+  using attention_heads::HeadsAvx512;
+  if (packed_avx512_enabled()) {  // (its switch, DEEPINFER_DP_PACKED_AVX512, covers this kernel too)
+    if (head_dim == 64) return &attend_chunk_avx2<64, T, HeadsAvx512>;
+    if (head_dim == 128) return &attend_chunk_avx2<128, T, HeadsAvx512>;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    if (head_dim == 64) return &attend_chunk_avx2<64, T>;
-    if (head_dim == 128) return &attend_chunk_avx2<128, T>;
+    if (head_dim == 64) return &attend_chunk_avx2<64, T, HeadsAvx2>;
+    if (head_dim == 128) return &attend_chunk_avx2<128, T, HeadsAvx2>;
   }
 #endif
   (void)head_dim;

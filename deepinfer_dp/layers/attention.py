@@ -30,7 +30,8 @@ CPU_KERNEL = True
 # go to SDPA, whose matrix products win once queries are many -- except in steps small enough
 # to run torch on one thread (cpu_threads.narrow_step, up to 512 tokens), where the kernel on
 # all threads beat SDPA on one 1.8-2.8x (one sequence of 100-400 new tokens over 0-64 cached,
-# SmolLM2's heads, 2 threads).
+# SmolLM2's heads, 2 threads). A batch-invariant step (cpu_threads.batch_invariant) takes the
+# kernel at any length: it gives each query the floats it would get attending alone.
 KERNEL_MAX_QUERY_LEN = 32
 
 
@@ -90,8 +91,9 @@ class Attention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> torch.Tensor:
-        narrow = cpu_threads.wide_threads() > 1
-        if _use_cpu_kernel(q, self.k_cache) and (md.max_query_len <= KERNEL_MAX_QUERY_LEN or narrow):
+        kernel = md.max_query_len <= KERNEL_MAX_QUERY_LEN or cpu_threads.wide_threads() > 1 \
+            or cpu_threads.batch_invariant()
+        if _use_cpu_kernel(q, self.k_cache) and kernel:
             rows, lens = prefill_queries(md)
             return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale)
         out = torch.empty_like(q)

@@ -14,6 +14,10 @@ OpenMP's workers spin for a while, and on 2 cores a spinning worker takes a core
 kernels' own thread pool. A 205-token prefill of SmolLM2 (packed weights) spent 0.66 s in its
 linear layers with torch on two threads and 0.34 s with torch on one (SDPA, now on one
 thread, went from 47 to 59 ms); the steps above it run their products in torch's GEMMs.
+
+A batch-invariant step (EngineConfig.batch_invariant) is narrowed whatever its size: its
+products and attention all run in the C++ kernels, whose floats for a row do not depend on
+the rows around it, and torch only adds and copies.
 """
 
 from __future__ import annotations
@@ -35,16 +39,34 @@ def wide_threads() -> int:
     return getattr(_state, "wide", 0)
 
 
+def batch_invariant() -> bool:
+    """True inside a step whose every row must get the same floats whatever else the step
+    holds: the layers then take the C++ kernels at any row count and query length."""
+    return getattr(_state, "invariant", False)
+
+
 def kernel_threads() -> int:
     """Threads for a C++ kernel call now: the step's when narrowed, else torch's count."""
     return wide_threads() or torch.get_num_threads()
 
 
 @contextmanager
-def narrow_step(threads: int, num_tokens: int) -> Iterator[None]:
+def narrow_step(threads: int, num_tokens: int, invariant: bool = False) -> Iterator[None]:
     """Runs the body with torch on one thread and wide_threads() == threads, when the step
-    is small enough and there is more than one thread to share; else leaves things be."""
-    if threads <= 1 or num_tokens > NARROW_MAX_TOKENS:
+    is small enough (or batch-invariant) and there is more than one thread to share; else
+    leaves things be. batch_invariant() is `invariant` inside."""
+    before = batch_invariant()
+    _state.invariant = invariant
+    try:
+        with _narrowed(threads, num_tokens <= NARROW_MAX_TOKENS or invariant):
+            yield
+    finally:
+        _state.invariant = before
+
+
+@contextmanager
+def _narrowed(threads: int, small: bool) -> Iterator[None]:
+    if threads <= 1 or not small:
         yield
         return
     torch.set_num_threads(1)

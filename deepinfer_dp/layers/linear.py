@@ -7,7 +7,10 @@ once against all M rows, prefetches the next ones, and splits the columns over a
 threads that stays awake between the layers. Measured in one engine process, interleaved
 (SmolLM2, decode steps): 8 sequences on 2 threads 71 ms against 112 ms with oneDNN packed,
 64 on 2 threads 261 against 288, 32 on 1 thread 216 against 230. Prefill chunks have many
-more rows, where torch's blocked GEMMs are faster; they keep using F.linear.
+more rows, where torch's blocked GEMMs are faster; they keep using F.linear, except in
+batch-invariant steps (cpu_threads.batch_invariant): there every row count takes the kernel,
+which gives each row the same floats whatever the row count (its many-row form is
+cache-blocked, and uses AVX-512 where the CPU has it).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > KERNEL_MAX_ROWS:
+        if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant():
             with cpu_threads.wide():
                 return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features).contiguous()

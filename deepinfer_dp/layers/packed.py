@@ -8,8 +8,10 @@ dequantize and a bf16 -> fp32 cast give the same values), and the fp32 arithmeti
 is `_C.linear`'s, so outputs equal those of the widened fp32 model: transformers on the
 dequantized checkpoint stays the oracle.
 
-Large prefill chunks widen the matrix into a reused fp32 buffer, a slice of rows at a time,
-and use torch's GEMM, which is faster there.
+The kernel takes its inputs a block of rows at a time (cache-blocked), and every row's floats
+are the same at any row count. Outside batch-invariant steps (cpu_threads.batch_invariant)
+chunks of more than KERNEL_MAX_ROWS rows widen the matrix into a reused fp32 buffer, a slice
+of rows at a time, and use torch's GEMM instead, whose floats depend on the row count.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
-        if rows > KERNEL_MAX_ROWS:
+        if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant():
             out = self._widened_gemm(x2)
         else:
             out = torch.empty(rows, self.out_features)

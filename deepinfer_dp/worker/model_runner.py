@@ -117,6 +117,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         self.cpu_threads = torch.get_num_threads()  # as the engine set it
+        self.batch_invariant = config.batch_invariant
         if self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu" and next(self.model.parameters()).dtype == torch.float32 \
@@ -209,4 +210,4 @@ class ModelRunner:
         proposer's own passes between steps run under it too."""
         if self.device.type != "cpu":
             return contextlib.nullcontext()
-        return narrow_step(self.cpu_threads, num_tokens)
+        return narrow_step(self.cpu_threads, num_tokens, self.batch_invariant)

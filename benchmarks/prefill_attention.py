@@ -1,0 +1,91 @@
+"""Prefill attention of one long prompt: the C++ paged kernel (AVX-512 and AVX2 forms, in
+alternating child processes: DEEPINFER_DP_PACKED_AVX512 is read once per process) against
+torch's SDPA on the same K/V (causal, SmolLM2's heads: 9 query heads on 3 KV heads of 64).
+The kernel gives each query the floats it gets attending alone (batch-invariant); SDPA's
+depend on the chunk. Prints the best of each side per round and their ratios.
+
+    python benchmarks/prefill_attention.py [--tokens 2000] [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from deepinfer_dp import _C
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+def case(tokens: int):
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-tokens // BLOCK)
+    k = torch.randn(blocks + 1, BLOCK, KV_HEADS, DIM, generator=g)
+    v = torch.randn(blocks + 1, BLOCK, KV_HEADS, DIM, generator=g)
+    q = torch.randn(tokens, HEADS, DIM, generator=g)
+    table = np.arange(1, blocks + 1, dtype=np.int32)[None]
+    return q, k, v, table
+
+
+def time_kernel(tokens: int, threads: int, reps: int) -> float:
+    q, k, v, table = case(tokens)
+    lens = np.arange(1, tokens + 1, dtype=np.int32)
+    rows = np.zeros(tokens, np.int32)
+    out = np.empty(q.shape, np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        _C.paged_attention(q.numpy(), k.numpy(), v.numpy(), table, lens, out, DIM ** -0.5, threads, rows)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def time_sdpa(tokens: int, threads: int, reps: int) -> float:
+    torch.set_num_threads(threads)
+    q, k, v, _ = case(tokens)
+    keys = k[1:].flatten(0, 1)[:tokens].transpose(0, 1)[None]
+    values = v[1:].flatten(0, 1)[:tokens].transpose(0, 1)[None]
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True,
+                                                         scale=DIM ** -0.5, enable_gqa=True)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def child(side: str, tokens: int, threads: int) -> float:
+    env = {**os.environ, "DEEPINFER_DP_PACKED_AVX512": "0" if side == "avx2" else "1"}
+    out = subprocess.run([sys.executable, __file__, "--child", side, "--tokens", str(tokens), "--threads",
+                          str(threads)], env=env, check=True, capture_output=True, text=True, timeout=600)
+    return float(out.stdout.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=["avx512", "avx2", "sdpa"])
+    args = ap.parse_args()
+    if args.child:
+        fn = time_sdpa if args.child == "sdpa" else time_kernel
+        print(fn(args.tokens, args.threads, 3))
+        return
+    print(f"{args.tokens} tokens, {args.threads} threads: best of 3 per side, seconds")
+    for r in range(args.rounds):
+        sides = ["avx512", "avx2", "sdpa"]
+        order = sides[r % 3:] + sides[:r % 3]
+        t = {s: child(s, args.tokens, args.threads) for s in order}
+        print(f"round {r + 1}: avx512 {t['avx512']:.3f}  avx2 {t['avx2']:.3f}  sdpa {t['sdpa']:.3f}  "
+              f"avx2/avx512 {t['avx2'] / t['avx512']:.2f}x  sdpa/avx512 {t['sdpa'] / t['avx512']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
