@@ -22,7 +22,7 @@ import time
 import httpx
 
 from deepinfer_dp.entrypoints.openai.admission import ServerLimits
-from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_client
+from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_deployment
 
 
 def watch(url: str, pid: int, watch_s: float) -> None:
@@ -47,13 +47,14 @@ def main() -> None:
     parser.add_argument("--watch-s", type=float, default=120.0)
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    client = make_dp_client(args.model, 2, "default", torch_threads=1)
-    server = ServerThread(client, "default", limits=ServerLimits(stall_timeout_s=args.stall_timeout_s)).start()
+    deployment = make_dp_deployment(args.model, 2, "default", torch_threads=1)
+    limits = ServerLimits(stall_timeout_s=args.stall_timeout_s)
+    server = ServerThread(deployment.router, "default", limits=limits).start()
     body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     try:
         httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=None)  # to rank 0
-        pid = client.deployment.rank_infos()[1]["pid"]
+        pid = deployment.rank_infos()[1]["pid"]
         result: dict = {}
         worker = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
             server.url + "/v1/completions", json=body, timeout=None)))
@@ -72,7 +73,7 @@ def main() -> None:
         print(f"the request on rank 1: {r.status_code} {r.text[:160]}")
     finally:
         server.stop()
-        client.shutdown()
+        deployment.shutdown()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 import httpx
 from server_proc import stream_completion, wait_for_ranks
 
-from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_client
+from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_deployment
 
 BACK_TIMEOUT_S = 600.0
 
@@ -74,12 +74,13 @@ def main() -> None:
     ap.add_argument("--no-spare", action="store_true", help="no warm spare rank: a new process replaces the dead one")
     args = ap.parse_args()
     prompts = [f"Question {i}: explain in a few sentences why the sky looks blue." for i in range(args.num_streams)]
-    client = make_dp_client(args.model, 2, "default", dp_options={"spare_rank": not args.no_spare}, torch_threads=1)
-    server = ServerThread(client, "default").start()
+    deployment = make_dp_deployment(args.model, 2, "default", dp_options={"spare_rank": not args.no_spare},
+                                    torch_threads=1)
+    server = ServerThread(deployment.router, "default").start()
     try:
         url = server.url
         reference, _ = asyncio.run(completions(url, prompts, args.max_tokens, stream=False))
-        victim = client.deployment.rank_infos()[1]["pid"]
+        victim = deployment.rank_infos()[1]["pid"]
         outcomes, t = asyncio.run(completions(url, prompts, args.max_tokens, True, kill_pid=victim))
         failed = [o for o in outcomes if o[1] is not None]
         survivors = [(o, ref) for o, ref in zip(outcomes, reference, strict=True) if o[1] is None]
@@ -100,7 +101,7 @@ def main() -> None:
               f"routed per rank {[after[r] - before.get(r, 0) for r in sorted(after)]}")
     finally:
         server.stop()
-        client.shutdown()
+        deployment.shutdown()
 
 
 if __name__ == "__main__":

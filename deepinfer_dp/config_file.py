@@ -126,7 +126,7 @@ class MetricsSection(_Section):
 
 class DPSettings(_Section):
     """A Ray DP deployment's router and Ray sections, as the launchers take them (RayDeployment,
-    DPDriver, LLM(dp_options=...), make_dp_client): the declared sections themselves."""
+    DPDriver, LLM(dp_options=...), make_dp_deployment): the declared sections themselves."""
     router: RouterSection = RouterSection()
     ray: RaySection = RaySection()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from model_utils import build_tiny_model
 
-from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_client, make_local_client
+from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_deployment, make_local_client
 
 MODEL_NAME = "tiny-llama"
 ENGINE_OPTIONS = {"kv_cache_memory_gb": 0.02, "block_size": 16, "seed": 0}
@@ -30,19 +30,24 @@ def served(model_dir: str, api_key: str | None = None, dp_size: int = 1, limits=
            **options) -> Iterator[ServerThread]:
     """A real uvicorn server on a free 127.0.0.1 port over one in-process engine (dp_size 1) or
     the router process over dp_size Ray ranks (in the session's Ray: use the ray_cluster
-    fixture); `limits` is a ServerLimits. Everything is stopped after."""
+    fixture); `limits` is a ServerLimits. Everything is stopped after. The server's `client` is
+    the EngineClient; at dp_size > 1 its `deployment` is the DPDeployment (the processes)."""
     options = {**ENGINE_OPTIONS, **options}
+    deployment = None
     if dp_size > 1:
-        client = make_dp_client(model_dir, dp_size, MODEL_NAME, **options)
+        deployment = make_dp_deployment(model_dir, dp_size, MODEL_NAME, **options)
+        client, stop = deployment.router, deployment.shutdown
     else:
         client = make_local_client(model_dir, MODEL_NAME, **options)
+        stop = client.shutdown
     server = ServerThread(client, MODEL_NAME, api_key, limits=limits).start()
     server.client = client
+    server.deployment = deployment
     try:
         yield server
     finally:
         server.stop()
-        client.shutdown()
+        stop()
 
 
 def free_port() -> int:

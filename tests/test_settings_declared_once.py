@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # A name two sections declare on purpose: server.port (--port) and metrics.port (--metrics-port).
 SHARED_ON_PURPOSE = {"port": {"server", "metrics"}}
 # The modules that start a deployment from the declarations; none may declare a setting again.
-LAUNCHERS = ["deepinfer_dp/cluster/dp_driver.py", "deepinfer_dp/cluster/ray_launcher.py",
+LAUNCHERS = ["deepinfer_dp/cluster/dp_driver.py", "deepinfer_dp/cluster/deployment.py",
+             "deepinfer_dp/cluster/ray_launcher.py",
              "deepinfer_dp/cluster/router.py", "deepinfer_dp/cluster/router_actor.py",
              "deepinfer_dp/entrypoints/llm.py", "deepinfer_dp/entrypoints/cli.py",
              "deepinfer_dp/entrypoints/openai/launcher.py", "deepinfer_dp/entrypoints/openai/api_servers.py",

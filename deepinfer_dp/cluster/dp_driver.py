@@ -9,41 +9,27 @@ the step loop; this process only waits for their outputs.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
-import os
 import queue
 from collections.abc import Callable, Iterable
 
-from transformers import AutoTokenizer
-
-from deepinfer_dp.cluster.data_plane import ClusterKey
-from deepinfer_dp.cluster.ray_launcher import RayDeployment
-from deepinfer_dp.cluster.router_client import RouterClient
+from deepinfer_dp.cluster.deployment import DPDeployment
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineError, RequestRejected
-from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.engine.outputs import OwnedOutput
-from deepinfer_dp.models.loader import resolve_model_dir
 from deepinfer_dp.sampling_params import SamplingParams
 
 
 class DPDriver:
-    """The offline side of `LLM(dp_size=N)`: a RayDeployment (router and rank actors, as
-    `settings` say) and a RouterClient to it. `router` is the client (submit, abort_sync, query_stats, health);
-    `deployment` has the processes (kill_rank, infos)."""
+    """The offline side of `LLM(dp_size=N)`: a DPDeployment (router and rank actors, as
+    `settings` say, and a RouterClient to them). `router` is the client (submit, abort_sync,
+    query_stats, health); `deployment` has the processes (kill_rank, infos)."""
 
     def __init__(self, config: EngineConfig, settings: DPSettings) -> None:
-        self.config = config = per_rank_threads(config)
-        self.deployment = RayDeployment(config, settings)
-        try:
-            self.router = connect(self.deployment.frontend, self.deployment.infos[0], config.model,
-                                  str(config.model or "default"), settings.router.data_plane_host,
-                                  self.deployment.key)
-        except BaseException:
-            self.deployment.shutdown()
-            raise
+        self.deployment = DPDeployment(config, settings, str(config.model or "default"))
+        self.config = self.deployment.config
+        self.router = self.deployment.router
         self.tokenizer = self.router.tokenizer
         self.input_processor = self.router.input_processor
         self._outputs: queue.Queue = queue.Queue()
@@ -122,24 +108,5 @@ class DPDriver:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        self.router.close()
         self.deployment.shutdown()
 
-
-def per_rank_threads(config: EngineConfig) -> EngineConfig:
-    """On the CPU, one share of the cores per rank unless torch_threads says otherwise: ranks
-    oversubscribing the cores would slow each other."""
-    if config.torch_threads is None and config.torch_device().type == "cpu":
-        return dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // config.dp_size))
-    return config
-
-
-def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
-            host: str = "127.0.0.1", key: ClusterKey | None = None) -> RouterClient:
-    """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
-    server detokenizes itself), the ranks' limits (`rank_info`) for validation and the data
-    plane's key (RayDeployment.key)."""
-    info = rank_info
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
-    processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
-    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)

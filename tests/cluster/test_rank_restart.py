@@ -142,7 +142,7 @@ def _metric(url: str, name: str) -> dict[str, float]:
 @pytest.mark.slow
 def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, expected, ray_cluster):
     with served(model_dir, dp_size=2, kv_cache_memory_gb=KV_GB) as srv:
-        deployment = srv.client.deployment
+        deployment = srv.deployment
         survivor_pid, old_pid = (i["pid"] for i in deployment.rank_infos())
         spare_pid = deployment.spare_pid()  # a fault long after the start finds the spare warm
         assert spare_pid not in (None, survivor_pid, old_pid)

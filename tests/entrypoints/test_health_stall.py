@@ -45,7 +45,7 @@ def test_sigstopped_rank_is_reported_stalled(tmp_path, ray_cluster):
         assert code == 200 and health["status"] == "ok"
         assert [r["step_age_s"] for r in health["ranks"]] == [None, None]
 
-        pid = srv.client.deployment.rank_infos()[1]["pid"]
+        pid = srv.deployment.rank_infos()[1]["pid"]
         result: dict = {}
         os.kill(pid, signal.SIGSTOP)
         try:

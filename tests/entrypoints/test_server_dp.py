@@ -42,7 +42,7 @@ def offline(model_dir):
 @pytest.fixture(scope="module")
 def dp_server(model_dir, ray_cluster):
     with served(model_dir, dp_size=2) as srv:
-        deployment = srv.client.deployment
+        deployment = srv.deployment
         yield srv
     # shut down: the router and both ranks left on their own, status 0
     assert_actors_exited_cleanly([deployment.router_pid] + [i["pid"] for i in deployment.infos])

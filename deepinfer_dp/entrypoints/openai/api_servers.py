@@ -40,14 +40,14 @@ REPLACEMENT_WINDOW_S = 60.0
 def run_api_servers(deployment, served_model_name: list[str]) -> int:
     """Serves until SIGINT/SIGTERM, replacing an API server that dies; returns the exit status."""
     from deepinfer_dp.cluster.data_plane import CLIENT
-    from deepinfer_dp.cluster.dp_driver import per_rank_threads
-    from deepinfer_dp.cluster.ray_launcher import RayDeployment
+    from deepinfer_dp.cluster.deployment import DPDeployment
 
     server = deployment.server
     stop = threading.Event()  # from here on a signal stops everything cleanly, start-up included
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = RayDeployment(per_rank_threads(deployment.engine_config()), deployment.dp_settings())
+    # no client here: each API server process connects its own (_api_server)
+    cluster = DPDeployment(deployment.engine_config(), deployment.dp_settings(), None, stop_s=CLUSTER_STOP_S)
     metrics_dir = tempfile.mkdtemp(prefix="deepinfer_dp_metrics_")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
     sock = _listen(server.host, server.port)
@@ -76,7 +76,7 @@ def run_api_servers(deployment, served_model_name: list[str]) -> int:
             logger.error("API servers that did not exit cleanly: %s", failed)
             code = code or 1
         sock.close()
-        cluster.shutdown(CLUSTER_STOP_S)
+        cluster.shutdown()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return code
 
@@ -149,7 +149,7 @@ def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, 
     `all_ready`: a barrier of the first servers (None: a replacement, which serves at once)."""
     signal.signal(signal.SIGTERM, _exit_cleanly)  # stopped while starting: still status 0
     from deepinfer_dp.cluster.data_plane import host_of
-    from deepinfer_dp.cluster.dp_driver import connect
+    from deepinfer_dp.cluster.deployment import connect
     from deepinfer_dp.entrypoints.openai.draining import exit_now
 
     client = connect(frontend, rank_info, model, name[0], host_of(frontend), key)

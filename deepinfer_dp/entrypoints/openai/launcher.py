@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -28,6 +29,9 @@ from deepinfer_dp.entrypoints.openai.http_server import (  # noqa: F401 (DEFAULT
     stop_when_the_engine_dies,
 )
 from deepinfer_dp.entrypoints.openai.server import build_app
+
+if TYPE_CHECKING:
+    from deepinfer_dp.cluster.deployment import DPDeployment
 
 CLUSTER_STOP_S = 4.0  # after the HTTP server's drain: the router, the ranks, the private Ray instance
 
@@ -104,41 +108,17 @@ def make_local_client(model: str | None, served_model_name: str | None = None,
     return LocalEngineClient(engine, served_model_name or default_model_name(model))
 
 
-class DPClient:
-    """The router process's client (an EngineClient) over dp_size ranks started as Ray actors;
-    shutdown() stops the router and the ranks too. Everything else is the client's."""
-
-    def __init__(self, router, deployment) -> None:
-        self.router = router
-        self.deployment = deployment
-
-    def __getattr__(self, name: str):
-        return getattr(self.router, name)
-
-    def shutdown(self) -> None:
-        self.router.close()
-        self.deployment.shutdown(CLUSTER_STOP_S)
-
-
-def make_dp_client(model: str | None, dp_size: int, served_model_name: str | None = None,
-                   dp_options: DPSettings | dict | None = None, **engine_options) -> DPClient:
-    """dp_size ranks behind the router process of deepinfer_dp.cluster (the same EngineClient
-    protocol), deployed as `dp_options` say (DPSettings.of: the settings or a dict of their names)."""
-    from deepinfer_dp.cluster.dp_driver import connect, per_rank_threads
-    from deepinfer_dp.cluster.ray_launcher import RayDeployment
+def make_dp_deployment(model: str | None, dp_size: int, served_model_name: str | None = None,
+                       dp_options: DPSettings | dict | None = None, **engine_options) -> DPDeployment:
+    """dp_size ranks behind the router process of deepinfer_dp.cluster, deployed as `dp_options`
+    say (DPSettings.of: the settings or a dict of their names); its `router` is the EngineClient
+    to serve, and shutdown() stops the cluster within CLUSTER_STOP_S."""
+    from deepinfer_dp.cluster.deployment import DPDeployment
     from deepinfer_dp.config import EngineConfig
 
-    config = per_rank_threads(EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options))
-    settings = DPSettings.of(dp_options)
-    deployment = RayDeployment(config, settings)
-    name = served_model_name or default_model_name(model)
-    try:
-        router = connect(deployment.frontend, deployment.infos[0], model, name, settings.router.data_plane_host,
-                         deployment.key)
-    except BaseException:
-        deployment.shutdown()
-        raise
-    return DPClient(router, deployment)
+    config = EngineConfig.from_kwargs(model=model, dp_size=dp_size, **engine_options)
+    return DPDeployment(config, DPSettings.of(dp_options), served_model_name or default_model_name(model),
+                        stop_s=CLUSTER_STOP_S)
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -163,16 +143,18 @@ def run_serve(args: argparse.Namespace) -> None:
     if deployment.server.api_server_count > 1:
         raise SystemExit(run_api_servers(deployment, names))
     if deployment.dp_size > 1:
-        client = make_dp_client(deployment.model, deployment.dp_size, names[0], dp_options=deployment.dp_settings(),
-                                **engine)
+        dp = make_dp_deployment(deployment.model, deployment.dp_size, names[0],
+                                dp_options=deployment.dp_settings(), **engine)
+        client, stop = dp.router, dp.shutdown
     else:
         client = make_local_client(deployment.model, names[0], **engine)
+        stop = client.shutdown
     server = deployment.server
     try:
         code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
                           limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s)
     finally:
-        client.shutdown()
+        stop()
     if code:
         raise SystemExit(f"deepinfer-dp serve: the engine failed (see the log above); exiting with status {code}")
 
