@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import best_of_rounds
 from server_proc import start_server, stop_server
 
 HERE = Path(__file__).resolve().parent
@@ -54,13 +55,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--serve-flags", nargs=argparse.REMAINDER, default=[], help="more flags for `serve`")
     args = ap.parse_args()
-    best: dict[int, dict] = {}
-    for _ in range(args.rounds):
-        for count in (1, 2):
-            run = one_round(args, count)
-            print(f"api servers {count}: {run}", flush=True)
-            if count not in best or run["tok_s"] > best[count]["tok_s"]:
-                best[count] = run
+
+    def run(count: int) -> dict:
+        found = one_round(args, count)
+        print(f"api servers {count}: {found}", flush=True)
+        return found
+
+    best = best_of_rounds(args.rounds, (1, 2), run, "tok_s")
     print(f"\nworkload: {args.num_prompts} streamed chat requests at {args.request_rate} req/s, {args.max_tokens} "
           f"tokens each, dp {args.dp_size}; best of {args.rounds} rounds")
     print(f"{'api servers':>12} {'req/s':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'failed':>7}")

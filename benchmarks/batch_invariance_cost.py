@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
-import sys
 import time
+
+from harness import emit, in_turn, run_child, self_command
 
 
 def prompts(args) -> list[list[int]]:
@@ -44,14 +44,13 @@ def run_side(args) -> None:
     tokens = [[o.token_id for o in outs] for outs in results]
     digest = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
     llm.shutdown()
-    print("RESULT", json.dumps({"seconds": seconds, "tokens": digest}))
+    emit({"seconds": seconds, "tokens": digest})
 
 
 def side(args, name: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--workload", args.workload, "--prompts", str(args.prompts),
-           "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600).stdout
-    return json.loads(out.split("RESULT", 1)[1])
+    cmd = self_command(__file__, "--child", name, "--workload", args.workload, "--prompts", str(args.prompts),
+                       "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens))
+    return run_child(cmd, f"batch_invariant {name}")
 
 
 def main() -> None:
@@ -68,7 +67,7 @@ def main() -> None:
         return
     ratios = []
     for r in range(args.rounds):
-        order = ["on", "off"] if r % 2 == 0 else ["off", "on"]
+        order = in_turn(["on", "off"], r)
         got = {name: side(args, name) for name in order}
         ratios.append(got["off"]["seconds"] / got["on"]["seconds"])
         same = "same tokens" if got["on"]["tokens"] == got["off"]["tokens"] else "tokens differ"

@@ -23,14 +23,13 @@ the sides alternate over --rounds rounds and the best run of each counts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+from harness import ONE_THREAD_NO_RAY_AUTH, best_of_rounds, emit, run_child, self_command  # noqa: E402
 from offline_throughput import chat_prompts  # noqa: E402
 
 # name: (dp_size, expert parallel, MTP draft tokens)
@@ -143,23 +142,14 @@ def run_side(name: str, path: str, prompts: int, max_tokens: int) -> dict:
 
 
 def run_in_subprocess(name: str, path: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--side", name, "--model-dir", str(path), "--prompts", str(args.prompts),
-           "--max-tokens", str(args.max_tokens)]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    cmd = self_command(__file__, "--side", name, "--model-dir", str(path), "--prompts", str(args.prompts),
+                       "--max-tokens", str(args.max_tokens))
+    return run_child(cmd, name, ONE_THREAD_NO_RAY_AUTH)
 
 
 def engine_report(args) -> None:
     path = model_dir()
-    best: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for name in SIDES:
-            r = run_in_subprocess(name, path, args)
-            if name not in best or r["tok_per_s"] > best[name]["tok_per_s"]:
-                best[name] = r
+    best = best_of_rounds(args.rounds, SIDES, lambda name: run_in_subprocess(name, path, args), "tok_per_s")
     print(f"throughput: {args.prompts} prompts x {args.max_tokens} new tokens, greedy, one torch thread per rank, "
           f"best of {args.rounds} alternating rounds")
     base = best["dp1"]["tok_per_s"]
@@ -184,7 +174,7 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
-        print(json.dumps(run_side(args.side, args.model_dir, args.prompts, args.max_tokens)))
+        emit(run_side(args.side, args.model_dir, args.prompts, args.max_tokens))
         return
     cache_report(args)
     if not args.skip_engine:

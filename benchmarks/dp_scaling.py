@@ -15,13 +15,12 @@ the sides alternate over --rounds rounds and the best run of each counts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+from harness import ONE_THREAD_NO_RAY_AUTH, best_of_rounds, emit, run_child, self_command  # noqa: E402
 from offline_throughput import chat_prompts  # noqa: E402
 
 
@@ -62,27 +61,18 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=None, help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     if args.side is not None:
-        print(json.dumps(run_side(args.side, args.model, args.prompts, args.max_tokens, args.policy)))
+        emit(run_side(args.side, args.model, args.prompts, args.max_tokens, args.policy))
         return
-    sides: dict[int, dict] = {}
-    for _ in range(args.rounds):  # alternate the sides: this machine's speed drifts over minutes
-        for dp in (1, 2):
-            run = run_in_subprocess(dp, args)
-            if dp not in sides or run["tok_per_s"] > sides[dp]["tok_per_s"]:
-                sides[dp] = run
+    sides = best_of_rounds(args.rounds, (1, 2), lambda dp: run_in_subprocess(dp, args), "tok_per_s")
     report(sides, args)
 
 
 def run_in_subprocess(dp: int, args) -> dict:
-    cmd = [sys.executable, __file__, "--side", str(dp), "--prompts", str(args.prompts),
-           "--max-tokens", str(args.max_tokens), "--policy", args.policy]
+    cmd = self_command(__file__, "--side", str(dp), "--prompts", str(args.prompts),
+                       "--max-tokens", str(args.max_tokens), "--policy", args.policy)
     if args.model:
         cmd += ["--model", args.model]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"DP={dp} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(cmd, f"DP={dp}", ONE_THREAD_NO_RAY_AUTH)
 
 
 def report(sides: dict, args) -> None:

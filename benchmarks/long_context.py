@@ -24,15 +24,14 @@ of the best rounds; the tokens of both are compared.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from harness import emit, run_child, self_command
+
 HERE = Path(__file__).resolve().parent
-RESULT_MARK = "LONGCTX-RESULT "
 
 
 class Timers:
@@ -137,15 +136,11 @@ def print_run(label: str, s: dict) -> None:
           f"{s['decode_tok_s']:.1f} tok/s over {s['decode_s']:.1f} s: {split}", flush=True)
 
 
-def run_child(python: str, args: argparse.Namespace) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "--child", "--prompts", str(args.prompts), "--prompt-len",
-           str(args.prompt_len), "--max-tokens", str(args.max_tokens), "--kv-gb", str(args.kv_gb),
-           "--kv-cache-dtype", args.kv_cache_dtype]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [x for x in res.stdout.splitlines() if x.startswith(RESULT_MARK)]
-    if res.returncode != 0 or not lines:
-        raise RuntimeError(f"{python}: exit {res.returncode}: {res.stderr[-2000:]}")
-    return json.loads(lines[-1][len(RESULT_MARK):])
+def run_with(python: str, args: argparse.Namespace) -> dict:
+    cmd = self_command(__file__, "--child", "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
+                       "--max-tokens", str(args.max_tokens), "--kv-gb", str(args.kv_gb),
+                       "--kv-cache-dtype", args.kv_cache_dtype, python=python)
+    return run_child(cmd, python)
 
 
 def main() -> None:
@@ -160,7 +155,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(RESULT_MARK + json.dumps(run_once(args)), flush=True)
+        emit(run_once(args))
         return
     sides = {"ours": sys.executable}
     if args.baseline_python:
@@ -170,7 +165,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for side, python in sides.items():
             child_args = args if side == "ours" else argparse.Namespace(**{**vars(args), "kv_cache_dtype": "auto"})
-            r = run_child(python, child_args)
+            r = run_with(python, child_args)
             s = summarize(r, args.prompts, args.max_tokens)
             print_run(f"round {rnd + 1} {side}", s)
             tokens[side] = r["tokens"]

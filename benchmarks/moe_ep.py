@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+from harness import ONE_THREAD_NO_RAY_AUTH, best_of_rounds, emit, run_child, self_command  # noqa: E402
 from offline_throughput import chat_prompts  # noqa: E402
 
 SIDES = {"dp1": (1, None), "dp2-replicated": (2, None), "dp2-ep-all_to_all": (2, "all_to_all"),
@@ -100,13 +99,9 @@ def run_side(name: str, path: str, prompts: int, max_tokens: int) -> dict:
 
 
 def run_in_subprocess(name: str, path: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--side", name, "--model-dir", str(path), "--prompts", str(args.prompts),
-           "--max-tokens", str(args.max_tokens)]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    cmd = self_command(__file__, "--side", name, "--model-dir", str(path), "--prompts", str(args.prompts),
+                       "--max-tokens", str(args.max_tokens))
+    return run_child(cmd, name, ONE_THREAD_NO_RAY_AUTH)
 
 
 def engine_report(sides: dict, args) -> None:
@@ -183,16 +178,12 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side is not None:
-        print(json.dumps(run_side(args.side, args.model_dir, args.prompts, args.max_tokens)))
+        emit(run_side(args.side, args.model_dir, args.prompts, args.max_tokens))
         return
     if not args.skip_engine:
         path = model_dir(args)
-        sides: dict[str, dict] = {}
-        for _ in range(args.rounds):
-            for name in args.sides:
-                run = run_in_subprocess(name, path, args)
-                if name not in sides or run["tok_per_s"] > sides[name]["tok_per_s"]:
-                    sides[name] = run
+        sides = best_of_rounds(args.rounds, args.sides, lambda name: run_in_subprocess(name, path, args),
+                               "tok_per_s")
         engine_report(sides, args)
     if not args.skip_layer:
         layer_benchmark(args)

@@ -13,10 +13,9 @@ drifts by tens of percent over minutes), and the best round of each side gives t
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import time
+
+from harness import emit, run_child, self_command
 
 PROMPT = "Write a short story about a robot number {i}."
 
@@ -96,13 +95,10 @@ def run_hf(args: argparse.Namespace) -> dict:
 
 
 def in_subprocess(side: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--side", side, "--max-tokens", str(args.max_tokens),
-           "--points", *map(str, args.points), "--device", args.device, "--dtype", args.dtype]
+    cmd = self_command(__file__, "--side", side, "--max-tokens", str(args.max_tokens),
+                       "--points", *map(str, args.points), "--device", args.device, "--dtype", args.dtype)
     cmd += (["--no-zos"] if args.no_zos else []) + (["--model", args.model] if args.model else [])
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        sys.exit(f"the {side} run failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_child(cmd, f"the {side} run")
 
 
 def best(runs: list[dict]) -> dict:
@@ -139,9 +135,9 @@ def main() -> None:
     ap.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side == "ours":
-        print(json.dumps(run_ours(args)))
+        emit(run_ours(args))
     elif args.side == "hf":
-        print(json.dumps(run_hf(args)))
+        emit(run_hf(args))
     else:
         ours_runs, hf_runs = [], []
         for _ in range(args.rounds):

@@ -10,13 +10,11 @@ depend on the chunk. Prints the best of each side per round and their ratios.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import torch
+from harness import emit, in_turn, run_child, self_command
 
 from deepinfer_dp import _C
 
@@ -61,10 +59,9 @@ def time_sdpa(tokens: int, threads: int, reps: int) -> float:
 
 
 def child(side: str, tokens: int, threads: int) -> float:
-    env = {**os.environ, "DEEPINFER_DP_PACKED_AVX512": "0" if side == "avx2" else "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", side, "--tokens", str(tokens), "--threads",
-                          str(threads)], env=env, check=True, capture_output=True, text=True, timeout=600)
-    return float(out.stdout.split()[-1])
+    env = {"DEEPINFER_DP_PACKED_AVX512": "0" if side == "avx2" else "1"}
+    cmd = self_command(__file__, "--child", side, "--tokens", str(tokens), "--threads", str(threads))
+    return run_child(cmd, side, env, timeout_s=600)["seconds"]
 
 
 def main() -> None:
@@ -76,13 +73,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         fn = time_sdpa if args.child == "sdpa" else time_kernel
-        print(fn(args.tokens, args.threads, 3))
+        emit({"seconds": fn(args.tokens, args.threads, 3)})
         return
     print(f"{args.tokens} tokens, {args.threads} threads: best of 3 per side, seconds")
     for r in range(args.rounds):
-        sides = ["avx512", "avx2", "sdpa"]
-        order = sides[r % 3:] + sides[:r % 3]
-        t = {s: child(s, args.tokens, args.threads) for s in order}
+        t = {s: child(s, args.tokens, args.threads) for s in in_turn(["avx512", "avx2", "sdpa"], r)}
         print(f"round {r + 1}: avx512 {t['avx512']:.3f}  avx2 {t['avx2']:.3f}  sdpa {t['sdpa']:.3f}  "
               f"avx2/avx512 {t['avx2'] / t['avx512']:.2f}x  sdpa/avx512 {t['sdpa'] / t['avx512']:.2f}x")
 
