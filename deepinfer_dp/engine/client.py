@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
+
+if TYPE_CHECKING:  # the validator pulls in the grammar library (torch, transformers); the wire format must not
+    from deepinfer_dp.engine.input_processor import InputProcessor
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
