@@ -20,6 +20,8 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
+    # LLM lives in entrypoints/, the top layer: imported on first use so that `import deepinfer_dp`
+    # (SamplingParams, the wire format) stays free of torch and transformers.
     if name == "LLM":
         from deepinfer_dp.entrypoints.llm import LLM
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from model_utils import prompts_of_lengths, tiny_config, token_ids, write_tiny_model
+from model_utils import prompts_of_lengths, token_ids
 
 from deepinfer_dp import LLM, SamplingParams
 from deepinfer_dp.models import kv_cache_bytes_per_block
@@ -17,15 +17,6 @@ from deepinfer_dp.spec_decode.config import SpeculativeConfig
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 GB = 2**30
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    def config(vocab_size):
-        c = tiny_config("llama-gqa", vocab_size)
-        c.num_hidden_layers = 1
-        return c
-    return write_tiny_model(config, tmp_path_factory.getbasetemp() / "tiny-draft-1layer", seed=1)
 
 
 @pytest.fixture(scope="module")

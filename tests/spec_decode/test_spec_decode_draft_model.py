@@ -49,16 +49,6 @@ def stats(llm: LLM) -> dict:
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    """Another tiny random Llama of the same tokenizer: one layer, other weights (q != p)."""
-    def config(vocab_size):
-        c = tiny_config("llama-gqa", vocab_size)
-        c.num_hidden_layers = 1
-        return c
-    return write_tiny_model(config, tmp_path_factory.getbasetemp() / "tiny-draft-1layer", seed=1)
-
-
-@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     base = prompts_of_lengths([6, 11, 17, 23], offset=7)
     return [p + p[:5] + p for p in base] + prompts_of_lengths([5, 9, 30], offset=90)
