@@ -91,9 +91,11 @@ class Stream:
     first_chunk: bool = False
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int, result: Stream, timeout_s: float = 120.0) -> None:
+def stream_completion(url: str, prompt: str, max_tokens: int, result: Stream, timeout_s: float = 120.0,
+                      ignore_eos: bool = False) -> None:
     """Streams one greedy completion into `result` (an exception if the connection failed)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as r:
         result.status = r.status_code
         if r.status_code != 200:  # refused before the stream started: the error is the body

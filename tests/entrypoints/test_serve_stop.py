@@ -24,15 +24,20 @@ from serve_process import Stream, descendants, serve_process, still_running, str
 STOP_WITHIN_S = 10.0
 
 
-@pytest.mark.parametrize("target,streams", [
-    ("process", 20), ("group", 20),
-    pytest.param("process", 100, marks=pytest.mark.slow), pytest.param("group", 100, marks=pytest.mark.slow),
+@pytest.mark.parametrize("target,streams,dp_size", [
+    ("process", 20, 2), ("group", 20, 2),
+    pytest.param("process", 100, 2, marks=pytest.mark.slow), pytest.param("group", 100, 2, marks=pytest.mark.slow),
+    # dp 1 (the engine in the server's process) starts in seconds: 100 streams in the default run
+    ("process", 100, 1), ("group", 100, 1),
 ])
-def test_sigterm_under_streams(tiny_model_dir, tmp_path, target, streams):
+def test_sigterm_under_streams(tiny_model_dir, tmp_path, target, streams, dp_size):
     log = tmp_path / "serve.log"
-    with serve_process(str(tiny_model_dir), log, "--shutdown-grace-s", "2") as (proc, url):
+    # every stream runs at once (not queued behind max_num_seqs), with room in the cache for all
+    flags = ("--shutdown-grace-s", "2", "--dp-size", str(dp_size), "--max-num-seqs", "128", "--num-kv-blocks", "4096")
+    with serve_process(str(tiny_model_dir), log, *flags) as (proc, url):
         results = [Stream() for _ in range(streams)]
-        threads = [threading.Thread(target=stream_completion, args=(url, f"Long stream {i}", 400, r), daemon=True)
+        threads = [threading.Thread(target=stream_completion, args=(url, f"Long stream {i}", 480, r),
+                                    kwargs={"ignore_eos": True}, daemon=True)
                    for i, r in enumerate(results)]
         for t in threads:
             t.start()

@@ -6,6 +6,9 @@ steps and returns after the final flush once no request is left. Each step's out
 TokenDeltas, handed to the asyncio loop of the request's caller with call_soon_threadsafe.
 Closing a generate() iterator early aborts the request, which frees its KV blocks.
 
+When a stopping server's drain time is over, fail_inflight ends every request still running
+with the server's error (a stream gets it as an error event, then [DONE]) and aborts it.
+
 One request's failure (refused input, a failure while admitting or post-processing it)
 fails that request only. If the loop itself fails, every waiting request gets the error,
 health() reports the rank down and `on_fatal` is called: the server process then exits,
@@ -55,7 +58,11 @@ class LocalEngineClient:
         self.input_processor = engine.input_processor
         self.on_fatal: Callable[[BaseException], None] | None = None  # the engine loop died
         self._commands: queue.Queue = queue.Queue()
+        # The engine thread adds and ends streams; fail_inflight (the event loop's thread) takes
+        # them all at once, and from then on refuses new ones with its error.
+        self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        self._failing: Exception | None = None
         self._ids = itertools.count()
         self._stats: dict = self.loop.stats()
         self._last_stats = 0.0
@@ -85,6 +92,19 @@ class LocalEngineClient:
 
     def rank_stats(self) -> list[dict]:
         return [dict(self._stats)]
+
+    def fail_inflight(self, error: Exception) -> int:
+        """Ends every request in flight with `error` (the server's drain time is over) and
+        aborts them in the engine; a request still queued for admission gets the same error.
+        Returns how many were in flight."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            self._failing = error
+        if streams:
+            self._commands.put(("drop", list(streams)))
+        for stream in streams.values():
+            _put(stream, error)
+        return len(streams)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -134,24 +154,35 @@ class LocalEngineClient:
                 logger.exception("admitting request %s failed", engine_id)
                 _put(stream, RequestFailed(f"request {engine_id}: admission failed: {e!r}"))
                 return
-            self._streams[engine_id] = stream
+            with self._lock:
+                failing = self._failing
+                if failing is None:
+                    self._streams[engine_id] = stream
+            if failing is not None:  # failed while it waited for admission
+                self.engine.abort_request(engine_id)
+                _put(stream, failing)
         elif kind == "abort":
-            if self._streams.pop(command[1], None) is not None:
+            with self._lock:
+                known = self._streams.pop(command[1], None) is not None
+            if known:
                 self.engine.abort_request(command[1])
+        elif kind == "drop":  # their streams already ended (fail_inflight)
+            self.engine.abort_request(command[1])
 
     def _deliver(self, outputs: list) -> None:
         for delta in self.engine.to_deltas(outputs):
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            if delta.finished:
-                del self._streams[delta.request_id]
-            _put(stream, delta)
+            with self._lock:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None and delta.finished:
+                    del self._streams[delta.request_id]
+            if stream is not None:  # else aborted or failed meanwhile
+                _put(stream, delta)
 
     def _fail_all(self, error: Exception) -> None:
-        for stream in self._streams.values():
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
             _put(stream, error)
-        self._streams.clear()
 
 
 def _put(stream: _Stream, item: TokenDelta | Exception) -> None:
