@@ -1,0 +1,242 @@
+// Internal to the packed-weight kernels, next to packed_blocks.h: the 5-bit formats Q5_0 and
+// Q5_1 (32-value blocks) and the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks, widened
+// 32 values at a time), in ggml's layouts. Each gives exactly gguf's dequantized floats:
+// every scale is an fp16 times a small integer and every quant a small integer, so
+// d * sc * q is exact in fp32 (Q6_K's widest product, 11 + 7 + 5 bits, still fits 24), and
+// the one rounding left, the K-quants' "- dmin * m" and Q5_1's "+ m", happens once as in
+// gguf (a fused multiply-add rounds the same exact product the same way).
+#pragma once
+
+#include <cstdint>
+
+#include "packed_blocks.h"
+
+namespace deepinfer {
+namespace packed_detail {
+
+// The 6-bit scale and min of piece j (0-7) of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4).
+inline void kquant_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+#ifdef DEEPINFER_PACKED_AVX2
+
+DEEPINFER_AVX2_FN float half_at(const uint8_t *p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The multiplier and subtrahend of piece s of a Q4_K/Q5_K super-block: d * sc and dmin * m.
+DEEPINFER_AVX2_FN void kquant_dm(const uint8_t *b, int s, float *dl, float *ml) {
+  int sc, m;
+  kquant_scale_min(b + 4, s, &sc, &m);
+  *dl = half_at(b) * static_cast<float>(sc);
+  *ml = half_at(b + 2) * static_cast<float>(m);
+}
+
+// ---- AVX2: one row ----
+
+// Bit 8i + j of qh as 16 in lane j: the fifth bit of Q5 values 8i..8i+7.
+DEEPINFER_AVX2_FN __m256i q5_high(uint32_t qh, int i) {
+  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * i))), shifts);
+  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4);
+}
+
+// A Q5 block's 32 values (0-31) from its 4 bytes of fifth bits and 16 bytes of nibbles.
+DEEPINFER_AVX2_FN void q5_values(const uint8_t *qh_bytes, const uint8_t *qs, __m256i q[4]) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m256i mask = _mm256_set1_epi32(0x0f), a = bytes8(qs), b = bytes8(qs + 8);
+  q[0] = _mm256_and_si256(a, mask);
+  q[1] = _mm256_and_si256(b, mask);
+  q[2] = _mm256_srli_epi32(a, 4);
+  q[3] = _mm256_srli_epi32(b, 4);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_or_si256(q[i], q5_high(qh, i));
+}
+
+DEEPINFER_AVX2_FN void widen_q5_0(const uint8_t *b, int, __m256 w[4]) {
+  const __m256 d = scale_vec(b);
+  __m256i q[4];
+  q5_values(b + 2, b + 6, q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
+}
+
+DEEPINFER_AVX2_FN void widen_q5_1(const uint8_t *b, int, __m256 w[4]) {
+  const __m256 d = scale_vec(b), m = scale_vec(b + 2);
+  __m256i q[4];
+  q5_values(b + 4, b + 8, q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
+}
+
+// Piece s of a Q4_K super-block (d, dmin, 12 scale bytes, 128 quant bytes): the low nibbles
+// of quant bytes 32(s/2)..+31 for even s, the high ones for odd s.
+DEEPINFER_AVX2_FN void widen_q4_k(const uint8_t *b, int s, __m256 w[4]) {
+  float dl, ml;
+  kquant_dm(b, s, &dl, &ml);
+  const __m256 d = _mm256_set1_ps(dl), m = _mm256_set1_ps(-ml);
+  const uint8_t *qs = b + 16 + 32 * (s >> 1);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs + 8 * i), shift), mask);
+    w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+  }
+}
+
+// Piece s of a Q5_K super-block (d, dmin, 12 scale bytes, 32 bytes of fifth bits, 128 quant
+// bytes): Q4_K's nibbles plus bit s of fifth-bit byte l for value l.
+DEEPINFER_AVX2_FN void widen_q5_k(const uint8_t *b, int s, __m256 w[4]) {
+  float dl, ml;
+  kquant_dm(b, s, &dl, &ml);
+  const __m256 d = _mm256_set1_ps(dl), m = _mm256_set1_ps(-ml);
+  const uint8_t *qh = b + 16, *qs = b + 48 + 32 * (s >> 1);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1)), hshift = _mm_cvtsi32_si128(s);
+  const __m256i mask = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs + 8 * i), shift), mask);
+    const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(bytes8(qh + 8 * i), hshift), one), 4);
+    w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_or_si256(lo, hi)), m);
+  }
+}
+
+// Piece s of a Q6_K super-block (128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales
+// of 16 values each, d): in half h = s / 4, piece c = s % 4 takes nibble c / 2 of low bytes
+// 64h + 32(c % 2)..+31 and bits 2c, 2c+1 of high bytes 32h..+31, minus 32.
+DEEPINFER_AVX2_FN void widen_q6_k(const uint8_t *b, int s, __m256 w[4]) {
+  const int h = s >> 2, c = s & 3;
+  const uint8_t *ql = b + 64 * h + 32 * (c & 1), *qh = b + 128 + 32 * h;
+  const int8_t *sc = reinterpret_cast<const int8_t *>(b + 192) + 2 * s;
+  const float d = half_at(b + 208);
+  const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(sc[0])), d1 = _mm256_set1_ps(d * static_cast<float>(sc[1]));
+  const __m128i lshift = _mm_cvtsi32_si128(4 * (c >> 1)), hshift = _mm_cvtsi32_si128(2 * c);
+  const __m256i mask = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql + 8 * i), lshift), mask);
+    const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(bytes8(qh + 8 * i), hshift), three), 4);
+    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), off);
+    w[i] = _mm256_mul_ps(i < 2 ? d0 : d1, _mm256_cvtepi32_ps(q));
+  }
+}
+
+// ---- AVX-512: the same piece of two rows, one per 256-bit half ----
+
+DEEPINFER_AVX512_FN __m512i bytes8_pair(const uint8_t *a, const uint8_t *b) {
+  int64_t x, y;
+  std::memcpy(&x, a, 8);
+  std::memcpy(&y, b, 8);
+  return _mm512_cvtepu8_epi32(_mm_set_epi64x(y, x));
+}
+
+DEEPINFER_AVX512_FN __m512 floats_pair(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+DEEPINFER_AVX512_FN void q5_values_pair(const uint8_t *ha, const uint8_t *hb, const uint8_t *qa, const uint8_t *qb,
+                                        __m512i q[4]) {
+  uint32_t qha, qhb;
+  std::memcpy(&qha, ha, 4);
+  std::memcpy(&qhb, hb, 4);
+  nibbles_pair_ints(qa, qb, q);
+  const __m512i qh = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qha)),
+                                        _mm256_set1_epi32(static_cast<int>(qhb)), 1);
+  const __m512i lanes = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0), one = _mm512_set1_epi32(1);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i bits = _mm512_srlv_epi32(qh, _mm512_add_epi32(lanes, _mm512_set1_epi32(8 * i)));
+    q[i] = _mm512_or_si512(q[i], _mm512_slli_epi32(_mm512_and_si512(bits, one), 4));
+  }
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q5_0(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  __m512 d;
+  scales_pair<1>(a, b, &d);
+  __m512i q[4];
+  q5_values_pair(a + 2, b + 2, a + 6, b + 6, q);
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[i], _mm512_set1_epi32(16))));
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q5_1(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  __m512 dm[2];
+  scales_pair<2>(a, b, dm);
+  __m512i q[4];
+  q5_values_pair(a + 4, b + 4, a + 8, b + 8, q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_fmadd_ps(dm[0], _mm512_cvtepi32_ps(q[i]), dm[1]);
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q4_k(const uint8_t *a, const uint8_t *b, int s, __m512 w[4]) {
+  float dla, mla, dlb, mlb;
+  kquant_dm(a, s, &dla, &mla);
+  kquant_dm(b, s, &dlb, &mlb);
+  const __m512 d = floats_pair(dla, dlb), m = floats_pair(-mla, -mlb);
+  const size_t off = 16 + 32 * (s >> 1);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
+  const __m512i mask = _mm512_set1_epi32(0x0f);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i q = _mm512_and_si512(_mm512_srl_epi32(bytes8_pair(a + off + 8 * i, b + off + 8 * i), shift), mask);
+    w[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+  }
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q5_k(const uint8_t *a, const uint8_t *b, int s, __m512 w[4]) {
+  float dla, mla, dlb, mlb;
+  kquant_dm(a, s, &dla, &mla);
+  kquant_dm(b, s, &dlb, &mlb);
+  const __m512 d = floats_pair(dla, dlb), m = floats_pair(-mla, -mlb);
+  const size_t off = 48 + 32 * (s >> 1);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1)), hshift = _mm_cvtsi32_si128(s);
+  const __m512i mask = _mm512_set1_epi32(0x0f), one = _mm512_set1_epi32(1);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(bytes8_pair(a + off + 8 * i, b + off + 8 * i), shift), mask);
+    const __m512i hb = _mm512_srl_epi32(bytes8_pair(a + 16 + 8 * i, b + 16 + 8 * i), hshift);
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(hb, one), 4);
+    w[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_or_si512(lo, hi)), m);
+  }
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q6_k(const uint8_t *a, const uint8_t *b, int s, __m512 w[4]) {
+  const int h = s >> 2, c = s & 3;
+  const size_t lo_off = 64 * h + 32 * (c & 1), hi_off = 128 + 32 * h;
+  const int8_t *sa = reinterpret_cast<const int8_t *>(a + 192) + 2 * s;
+  const int8_t *sb = reinterpret_cast<const int8_t *>(b + 192) + 2 * s;
+  const float da = half_at(a + 208), db = half_at(b + 208);
+  const __m512 d0 = floats_pair(da * static_cast<float>(sa[0]), db * static_cast<float>(sb[0]));
+  const __m512 d1 = floats_pair(da * static_cast<float>(sa[1]), db * static_cast<float>(sb[1]));
+  const __m128i lshift = _mm_cvtsi32_si128(4 * (c >> 1)), hshift = _mm_cvtsi32_si128(2 * c);
+  const __m512i mask = _mm512_set1_epi32(0x0f), three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i lo =
+        _mm512_and_si512(_mm512_srl_epi32(bytes8_pair(a + lo_off + 8 * i, b + lo_off + 8 * i), lshift), mask);
+    const __m512i hb = _mm512_srl_epi32(bytes8_pair(a + hi_off + 8 * i, b + hi_off + 8 * i), hshift);
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(hb, three), 4)), off);
+    w[i] = _mm512_mul_ps(i < 2 ? d0 : d1, _mm512_cvtepi32_ps(q));
+  }
+}
+
+// The formats as types (see packed_blocks.h's Q4_1).
+#define DEEPINFER_BLOCK_TYPE(Name, Bytes, Values, fn)                                                   \
+  struct Name {                                                                                         \
+    static constexpr size_t kBytes = Bytes;                                                             \
+    static constexpr int kValues = Values, kSubs = Values / 32;                                         \
+    DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int s, __m256 w[4]) { widen_##fn(b, s, w); } \
+    DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int s, __m512 w[4]) { \
+      widen_pair_##fn(a, b, s, w);                                                                      \
+    }                                                                                                   \
+  };
+DEEPINFER_BLOCK_TYPE(Q5_0, 22, 32, q5_0)
+DEEPINFER_BLOCK_TYPE(Q5_1, 24, 32, q5_1)
+DEEPINFER_BLOCK_TYPE(Q4_K, 144, 256, q4_k)
+DEEPINFER_BLOCK_TYPE(Q5_K, 176, 256, q5_k)
+DEEPINFER_BLOCK_TYPE(Q6_K, 210, 256, q6_k)
+#undef DEEPINFER_BLOCK_TYPE
+#endif
+
+}  // namespace packed_detail
+}  // namespace deepinfer
