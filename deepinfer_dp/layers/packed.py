@@ -1,7 +1,8 @@
 """Weights kept in the format they are stored in, widened to fp32 inside the CPU kernels.
 
-The default model is a GGUF file with Q4_1 layers and a Q8_0 embedding, and most Hugging
-Face checkpoints are bf16. Widening them to fp32 at load makes every decode step read 2-6x
+The default model is a GGUF file with Q4_1 layers and a Q8_0 embedding, most downloaded GGUF
+files mix K-quants (Q4_K, Q5_K, Q6_K) with Q5_0 and Q8_0, and most Hugging Face checkpoints
+are bf16. Widening them to fp32 at load makes every decode step read 2-6x
 more bytes than the file holds; here they stay packed and `_C.packed_linear` widens each
 group of weight rows in the L1 cache right before using it. Widening is exact (gguf's
 dequantize and a bf16 -> fp32 cast give the same values), and the fp32 arithmetic after it
@@ -28,7 +29,8 @@ from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
 
 # format -> (values per block, bytes per block), as ggml lays them out.
-FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+           "q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 
 # Rows up to which the packed kernel runs; larger batches widen and use torch's GEMM.
 # benchmarks/kernel_crossover.py on SmolLM2's Q4_1 layers, 2 threads: the kernel is 4-8x
