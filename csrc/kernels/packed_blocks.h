@@ -159,39 +159,55 @@ DEEPINFER_AVX512_FN void widen_pair_bf16(const uint8_t *a, const uint8_t *b, __m
   }
 }
 
+// The state a block's pieces share (the K-quants' decoded scales); none here.
+struct NoState {};
+
 // The format as a type, for kernels that take it as a template argument. A block holds
-// kValues values in kBytes bytes and widens in kSubs pieces of 32 values: widen(block, s, w)
-// gives values 32s..32s+31 of the block (these formats have one piece; the K-quants'
-// 256-value super-blocks, packed_blocks_kquant.h, eight).
+// kValues values in kBytes bytes and widens in kSubs pieces of 32 values: after
+// prepare(block, state), widen(block, s, state, w) gives values 32s..32s+31 of the block
+// (these formats have one piece; the K-quants' 256-value super-blocks,
+// packed_blocks_kquant.h, eight).
 struct BF16 {
   static constexpr size_t kBytes = 64;
   static constexpr int kValues = 32, kSubs = 1;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, __m256 w[4]) { widen_bf16(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_bf16(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_bf16(a, b, w);
   }
 };
 struct Q4_0 {
   static constexpr size_t kBytes = 18;
   static constexpr int kValues = 32, kSubs = 1;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, __m256 w[4]) { widen_q4_0(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q4_0(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q4_0(a, b, w);
   }
 };
 struct Q4_1 {
   static constexpr size_t kBytes = 20;
   static constexpr int kValues = 32, kSubs = 1;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, __m256 w[4]) { widen_q4_1(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q4_1(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q4_1(a, b, w);
   }
 };
 struct Q8_0 {
   static constexpr size_t kBytes = 34;
   static constexpr int kValues = 32, kSubs = 1;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, __m256 w[4]) { widen_q8_0(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, __m512 w[4]) {
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q8_0(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q8_0(a, b, w);
   }
 };

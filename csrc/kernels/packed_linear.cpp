@@ -49,7 +49,9 @@ DEEPINFER_AVX2_FN void rows_inputs(const float *x, const PackedMatrix &w, const 
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm256_setzero_ps();
   }
   __m256 wv[4], xv[4];
+  typename F::State state[NB];
   for (int kb = 0; kb < K; kb += F::kValues) {
+    for (int b = 0; b < NB; ++b) F::prepare(rows[b], state[b]);
     for (int s = 0; s < F::kSubs; ++s) {  // 32 values at a time (a K-quant block holds 8 x 32)
       const int k = kb + 32 * s;
       // At one input row its block stays in registers for all NB weight rows (fewer loads next
@@ -63,7 +65,7 @@ DEEPINFER_AVX2_FN void rows_inputs(const float *x, const PackedMatrix &w, const 
         // bound by memory, and the hardware prefetcher alone leaves half the bandwidth unused.
         _mm_prefetch(reinterpret_cast<const char *>(rows[b] + kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs),
                      _MM_HINT_T0);
-        F::widen(rows[b], s, wv);
+        F::widen(rows[b], s, state[b], wv);
         for (int i = 0; i < 4; ++i)
           for (int j = 0; j < MB; ++j)
             acc[b][j] = _mm256_fmadd_ps(

@@ -49,7 +49,10 @@ AVX512_KERNEL void pair_inputs(const float *x, const PackedMatrix &w, const floa
   const uint8_t *pa = w.data + static_cast<size_t>(a) * w.row_bytes, *pb = w.data + static_cast<size_t>(b) * w.row_bytes;
   __m512 acc[MB], wv[4], xv[4];
   for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
+  typename F::State sa, sb;
   for (int kb = 0; kb < K; kb += F::kValues, pa += F::kBytes, pb += F::kBytes) {
+    F::prepare(pa, sa);
+    F::prepare(pb, sb);
     for (int s = 0; s < F::kSubs; ++s) {  // 32 values at a time (a K-quant block holds 8 x 32)
       const int k = kb + 32 * s;
       if (MB == 1)
@@ -57,7 +60,7 @@ AVX512_KERNEL void pair_inputs(const float *x, const PackedMatrix &w, const floa
       const size_t ahead = kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs;  // two pairs on
       _mm_prefetch(reinterpret_cast<const char *>(pa + ahead), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char *>(pb + ahead), _MM_HINT_T0);
-      F::widen_pair(pa, pb, s, wv);
+      F::widen_pair(pa, pb, s, sa, sb, wv);
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < MB; ++j)
           acc[j] = _mm512_fmadd_ps(
@@ -97,9 +100,12 @@ AVX512_KERNEL void widen_pairs(const PackedMatrix &w, const int (*rows)[2], int 
     const uint8_t *pa = w.data + static_cast<size_t>(rows[p][0]) * w.row_bytes;
     const uint8_t *pb = w.data + static_cast<size_t>(rows[p][1]) * w.row_bytes;
     float *out = buf + static_cast<size_t>(p) * 2 * w.cols;
+    typename F::State sa, sb;
     for (int k = 0; k < w.cols; k += F::kValues, pa += F::kBytes, pb += F::kBytes) {
+      F::prepare(pa, sa);
+      F::prepare(pb, sb);
       for (int s = 0; s < F::kSubs; ++s, out += 64) {
-        F::widen_pair(pa, pb, s, wv);
+        F::widen_pair(pa, pb, s, sa, sb, wv);
         for (int i = 0; i < 4; ++i) _mm512_store_ps(out + 16 * i, wv[i]);
       }
     }

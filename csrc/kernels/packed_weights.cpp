@@ -140,9 +140,11 @@ void widen_scalar(const PackedMatrix &w, const uint8_t *row, float *out) {
 template <class F>
 __attribute__((target("avx2,fma,f16c"))) void widen_blocks(const uint8_t *row, int cols, float *out) {
   __m256 v[4];
+  typename F::State state;
   for (int k = 0; k < cols; k += F::kValues, row += F::kBytes) {
+    F::prepare(row, state);
     for (int s = 0; s < F::kSubs; ++s) {
-      F::widen(row, s, v);
+      F::widen(row, s, state, v);
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + k + 32 * s + 8 * i, v[i]);
     }
   }
