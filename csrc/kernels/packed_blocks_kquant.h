@@ -176,29 +176,26 @@ DEEPINFER_AVX512_FN __m256i byte_field(__m256i v, __m128i shift, int mask) {
   return _mm256_and_si256(_mm256_srl_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
-DEEPINFER_AVX512_FN void q5_values_pair(const uint8_t *ha, const uint8_t *hb, const uint8_t *qa, const uint8_t *qb,
-                                        __m512i q[4]) {
-  uint32_t qha, qhb;
-  std::memcpy(&qha, ha, 4);
-  std::memcpy(&qhb, hb, 4);
-  nibbles_pair_ints(qa, qb, q);
-  const __m512i qh = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(qha)),
-                                        _mm256_set1_epi32(static_cast<int>(qhb)), 1);
-  const __m512i lanes = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0), one = _mm512_set1_epi32(1);
-  for (int i = 0; i < 4; ++i) {
-    const __m512i bits = _mm512_srlv_epi32(qh, _mm512_add_epi32(lanes, _mm512_set1_epi32(8 * i)));
-    q[i] = _mm512_or_si512(q[i], _mm512_slli_epi32(_mm512_and_si512(bits, one), 4));
-  }
+// A Q5 block's 32 values of one row as bytes, in order: its 16 bytes' low nibbles (values
+// 0-15) then high ones (16-31), bit j of the fifth-bit word setting 16 in byte j (a mask
+// register does the spreading).
+DEEPINFER_AVX512_FN __m256i q5_bytes(const uint8_t *qh_bytes, const uint8_t *qs) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs)), mask = _mm_set1_epi8(0x0f);
+  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  return _mm256_or_si256(nibbles, _mm256_maskz_set1_epi8(qh, 16));
 }
 
 DEEPINFER_AVX512_FN void widen_pair_q5_0(const uint8_t *a, const uint8_t *b, int, const NoState &, const NoState &,
                                          __m512 w[4]) {
   __m512 d;
   scales_pair<1>(a, b, &d);
+  const __m256i sixteen = _mm256_set1_epi8(16);
   __m512i q[4];
-  q5_values_pair(a + 2, b + 2, a + 6, b + 6, q);
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[i], _mm512_set1_epi32(16))));
+  piece_bytes_pair<true>(_mm256_sub_epi8(q5_bytes(a + 2, a + 6), sixteen), _mm256_sub_epi8(q5_bytes(b + 2, b + 6), sixteen),
+                         q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q[i]));
 }
 
 DEEPINFER_AVX512_FN void widen_pair_q5_1(const uint8_t *a, const uint8_t *b, int, const NoState &, const NoState &,
@@ -206,7 +203,7 @@ DEEPINFER_AVX512_FN void widen_pair_q5_1(const uint8_t *a, const uint8_t *b, int
   __m512 dm[2];
   scales_pair<2>(a, b, dm);
   __m512i q[4];
-  q5_values_pair(a + 4, b + 4, a + 8, b + 8, q);
+  piece_bytes_pair<false>(q5_bytes(a + 4, a + 8), q5_bytes(b + 4, b + 8), q);
   for (int i = 0; i < 4; ++i) w[i] = _mm512_fmadd_ps(dm[0], _mm512_cvtepi32_ps(q[i]), dm[1]);
 }
 
