@@ -21,7 +21,8 @@ from deepinfer_dp.layers import packed as P
 
 FORMATS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 # Byte offsets (within a block) of the high bytes of each block's fp16 scales.
-SCALE_HIGH_BYTES = {"q5_0": [1], "q5_1": [1, 3], "q4_k": [1, 3], "q5_k": [1, 3], "q6_k": [209]}
+SCALE_HIGH_BYTES = {"q5_0": [1], "q5_1": [1, 3], "q4_k": [1, 3], "q5_k": [1, 3], "q6_k": [209], "q8_0": [1],
+                    "q4_0": [1]}
 K, N = 512, 45  # two super-blocks a row; an odd row count leaves the last AVX-512 pair short
 # All of 1-16 (the fused kernels' every width, then the tiles' remainders), then a spread to
 # 512 across the tiles of 8 inputs and the cache blocks of inputs; the slow test runs them all.
@@ -156,6 +157,17 @@ def test_avx512_and_avx2_kernels_give_the_same_floats(fmt, tmp_path):
     avx2 = np.load(tmp_path / "out.npz")
     for m in counts:
         assert torch.equal(torch.from_numpy(avx2[str(m)]), packed_kernel(x[:m].clone(), w, threads=2)), m
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q8_0"])
+def test_q4_0_and_q5_0_values_are_exact_in_q8_0(fmt):
+    data = random_blocks(fmt, 7, 96)  # every quant value, subnormal scales too
+    w = P.PackedWeight(data, fmt, 96)
+    q8 = w.as_q8_0()
+    assert q8.format == "q8_0" and torch.equal(q8.widen(), w.widen())
+    assert np.array_equal(dequantize(q8.data, "q8_0"), dequantize(data, fmt))
+    with pytest.raises(ValueError, match="q4_k values are not exact in q8_0"):
+        packed_matrix("q4_k", 2, 256)[0].as_q8_0()
 
 
 @pytest.mark.parametrize("fmt,cols", [("q4_k", 288), ("q6_k", 640), ("q5_0", 48)])

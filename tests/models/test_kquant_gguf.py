@@ -1,5 +1,5 @@
 """A GGUF file mixing formats as a Q4_K_M / Q5_K_M file does (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1,
-with an F16 matrix no packed kernel runs): its matrices stay packed in their stored format,
+Q4_0, Q8_0, with an F16 matrix no packed kernel runs): its matrices stay packed in their stored format,
 the F16 one is widened with a log line naming it, and greedy output equals transformers on
 the same file's tensors as gguf dequantizes them."""
 
@@ -22,9 +22,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 FORMATS = {
     "token_embd.weight": "q4_k", "output.weight": "q6_k",
     "blk.0.attn_q.weight": "q4_k", "blk.0.attn_k.weight": "q4_k", "blk.0.attn_v.weight": "q6_k",
-    "blk.0.attn_output.weight": "q4_k", "blk.0.ffn_gate.weight": "q4_k", "blk.0.ffn_up.weight": "q4_k",
+    "blk.0.attn_output.weight": "q5_0", "blk.0.ffn_gate.weight": "q4_k", "blk.0.ffn_up.weight": "q4_k",
     "blk.0.ffn_down.weight": "q6_k",
-    "blk.1.attn_q.weight": "q5_0", "blk.1.attn_k.weight": "q5_0", "blk.1.attn_v.weight": "q5_0",
+    "blk.1.attn_q.weight": "q5_0", "blk.1.attn_k.weight": "q4_0", "blk.1.attn_v.weight": "q8_0",
     "blk.1.attn_output.weight": "q5_1", "blk.1.ffn_gate.weight": "q5_k", "blk.1.ffn_up.weight": "q5_k",
     "blk.1.ffn_down.weight": "f16",
 }
@@ -46,9 +46,10 @@ def test_k_quant_gguf_runs_packed_and_matches_transformers(kquant_gguf, caplog):
     assert formats == {
         "model.embed_tokens": "q4_k", "lm_head": "q6_k",
         # layer 0's q/k/v differ in format: that fused projection is widened
-        "model.layers.0.self_attn.o_proj": "q4_k", "model.layers.0.mlp.gate_up_proj": "q4_k",
+        "model.layers.0.self_attn.o_proj": "q5_0", "model.layers.0.mlp.gate_up_proj": "q4_k",
         "model.layers.0.mlp.down_proj": "q6_k",
-        "model.layers.1.self_attn.qkv_proj": "q5_0", "model.layers.1.self_attn.o_proj": "q5_1",
+        # Q5_0 q, Q4_0 k and Q8_0 v (as Gemma 3's Q4_K_M file mixes them) run as one exact Q8_0 matrix
+        "model.layers.1.self_attn.qkv_proj": "q8_0", "model.layers.1.self_attn.o_proj": "q5_1",
         "model.layers.1.mlp.gate_up_proj": "q5_k",
     }
     prompts = prompts_of_lengths([3, 17, 70, 9])
