@@ -27,7 +27,7 @@ from deepinfer_dp import _C  # noqa: E402
 from deepinfer_dp.layers.packed import PackedWeight  # noqa: E402
 
 ROWS, COLS, MATRICES = 1536, 1024, 12
-FORMATS = ["q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "bf16"]
+FORMATS = ["q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "bf16"]
 
 
 def matrices(fmt: str) -> list[PackedWeight]:

@@ -1,6 +1,6 @@
-"""A reference quantizer for GGUF's K-quant formats (Q4_K, Q5_K, Q6_K), which the `gguf`
-package can dequantize but not write: plain min/max scales per sub-block (not llama.cpp's
-error search), laid out byte for byte as ggml's block_q4_K, block_q5_K and block_q6_K, so
+"""A reference quantizer for GGUF's K-quant formats (Q2_K-Q6_K), which the `gguf` package
+can dequantize but not write: plain min/max scales per sub-block (not llama.cpp's error
+search), laid out byte for byte as ggml's block_q2_K ... block_q6_K, so
 `gguf.quants.dequantize` reads them back. Q5_0/Q5_1 (and the rest) go through gguf's own
 quantizer."""
 
@@ -11,9 +11,10 @@ from gguf import GGMLQuantizationType, quants
 
 GGUF_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
               "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1,
-              "q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q4_K,
+              "q8_0": GGMLQuantizationType.Q8_0, "q2_k": GGMLQuantizationType.Q2_K,
+              "q3_k": GGMLQuantizationType.Q3_K, "q4_k": GGMLQuantizationType.Q4_K,
               "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K}
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -24,7 +25,9 @@ def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
     if cols % 256:
         raise ValueError(f"{fmt} needs columns in multiples of 256, got {cols}")
     blocks = w.astype(np.float32).reshape(-1, 256)
-    packed = _q6_k(blocks) if fmt == "q6_k" else _q45_k(blocks, bits=4 if fmt == "q4_k" else 5)
+    writers = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k, "q4_k": lambda b: _q45_k(b, bits=4),
+               "q5_k": lambda b: _q45_k(b, bits=5)}
+    packed = writers[fmt](blocks)
     return packed.reshape(rows, -1)
 
 
@@ -76,3 +79,37 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     ql = ((q[:, :, :2] & 0xF) | (q[:, :, 2:] & 0xF) << 4).reshape(n, 128)
     qh = np.bitwise_or.reduce((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None], axis=2)
     return np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), d_bytes], axis=1).astype(np.uint8)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 16, 16)
+    low = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - low) / 3, -low
+    d_bytes, d = _half(scale.max(-1) / 15)
+    m_bytes, dmin = _half(mins.max(-1) / 15)
+    sc = np.clip(np.rint(_ratio(scale, d[:, None])), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(_ratio(mins, dmin[:, None])), 0, 15).astype(np.uint8)
+    dl, ml = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
+    q = np.clip(np.rint(_ratio(sub + ml, np.broadcast_to(dl, sub.shape))), 0, 3).astype(np.uint8)
+    # value 128h + 32t + l: bits 2t of quant byte 32h + l
+    qs = np.bitwise_or.reduce(q.reshape(n, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None], axis=2)
+    return np.concatenate([sc | m << 4, qs.reshape(n, 64), d_bytes, m_bytes], axis=1).astype(np.uint8)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 16, 16)
+    scale = np.abs(sub).max(-1) / 4
+    d_bytes, d = _half(scale.max(-1) / 31)
+    sc = np.clip(np.rint(_ratio(scale, d[:, None])), 0, 31).astype(np.int16)
+    step = np.broadcast_to((d[:, None] * sc)[..., None], sub.shape)
+    u = (np.clip(np.rint(_ratio(sub, step)), -4, 3) + 4).astype(np.uint8).reshape(n, 8, 32)  # q + 4
+    # value 32j + l: bits 2(j % 4) of quant byte 32(j // 4) + l, and bit j of byte l (set: q >= 0)
+    qs = np.bitwise_or.reduce((u & 3).reshape(n, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None],
+                              axis=2)
+    hmask = np.bitwise_or.reduce((u >> 2) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    s6 = (sc + 32).astype(np.uint8)  # scale i: low nibble in byte i % 8 (high half for i >= 8),
+    low = s6[:, :8] & 0xF | (s6[:, 8:] & 0xF) << 4  # its top two bits at 2(i // 4) of byte 8 + i % 4
+    high = np.bitwise_or.reduce((s6 >> 4).reshape(n, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None], axis=1)
+    return np.concatenate([hmask, qs.reshape(n, 64), low, high, d_bytes], axis=1).astype(np.uint8)

@@ -1,5 +1,5 @@
 // Internal to the packed-weight kernels, next to packed_blocks.h: the 5-bit formats Q5_0 and
-// Q5_1 (32-value blocks) and the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks, widened
+// Q5_1 (32-value blocks) and the K-quants Q2_K-Q6_K (256-value super-blocks, widened
 // 32 values at a time), in ggml's layouts. Each gives exactly gguf's dequantized floats:
 // every scale is an fp16 times a small integer and every quant a small integer, so
 // d * sc * q is exact in fp32 (Q6_K's widest product, 11 + 7 + 5 bits, still fits 24), and
@@ -253,6 +253,98 @@ DEEPINFER_AVX512_FN void widen_pair_q6_k(const uint8_t *a, const uint8_t *b, int
   for (int i = 0; i < 4; ++i) w[i] = _mm512_mul_ps(i < 2 ? d0 : d1, _mm512_cvtepi32_ps(q[i]));
 }
 
+// ---- Q2_K and Q3_K: 16 scales of 16 values each, 2-bit quants (Q3_K: plus a third bit) ----
+// Q2_K: 16 scale bytes (scale in the low nibble, min in the high), 64 quant bytes, d, dmin.
+// Q3_K: 32 bytes of third bits, 64 quant bytes, 12 bytes of 6-bit scales (minus 32), d.
+// Piece s takes bits 2t, 2t+1 (t = s % 4) of quant bytes 32(s / 4)..+31; Q3_K's third bit of
+// value l is bit s of byte l, and a clear bit subtracts 4.
+
+// Q2_K: multipliers d * sc and subtrahends -(dmin * m) per 16 values.
+struct K2Scales {
+  alignas(32) float d[16], m[16];
+};
+
+DEEPINFER_AVX2_FN void prepare_k2(const uint8_t *b, K2Scales &st) {
+  const __m256 d = _mm256_set1_ps(half_at(b + 80)), dmin = _mm256_set1_ps(-half_at(b + 82));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sc = bytes8(b + 8 * h);
+    _mm256_store_ps(st.d + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sc, _mm256_set1_epi32(15)))));
+    _mm256_store_ps(st.m + 8 * h, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4))));
+  }
+}
+
+// Q3_K: d * (sc - 32) per 16 values. Scale i's low four bits are nibble i / 8 of byte i % 8,
+// its top two bits 2(i / 4) of byte 8 + i % 4: eight bytes to a word, as prepare_k does.
+DEEPINFER_AVX2_FN void prepare_k3(const uint8_t *b, K6Scales &st) {
+  uint64_t low;
+  uint32_t high;
+  std::memcpy(&low, b + 96, 8);
+  std::memcpy(&high, b + 104, 4);
+  const uint64_t nib = 0x0f0f0f0f0f0f0f0full;
+  const uint32_t two = 0x03030303;
+  const uint64_t top[2] = {(high & two) | static_cast<uint64_t>((high >> 2) & two) << 32,
+                           ((high >> 4) & two) | static_cast<uint64_t>((high >> 6) & two) << 32};
+  const uint64_t words[2] = {(low & nib) | top[0] << 4, ((low >> 4) & nib) | top[1] << 4};
+  const __m256 d = _mm256_set1_ps(half_at(b + 108));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sc = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(words[h]))),
+                                        _mm256_set1_epi32(32));
+    _mm256_store_ps(st.d + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+  }
+}
+
+DEEPINFER_AVX2_FN void widen_q2_k(const uint8_t *b, int s, const K2Scales &st, __m256 w[4]) {
+  const uint8_t *qs = b + 16 + 32 * (s >> 2);
+  const __m128i shift = _mm_cvtsi32_si128(2 * (s & 3));
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * s + i / 2;
+    const __m256i q = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs + 8 * i), shift), _mm256_set1_epi32(3));
+    w[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(st.d + k), _mm256_cvtepi32_ps(q), _mm256_broadcast_ss(st.m + k));
+  }
+}
+
+DEEPINFER_AVX2_FN void widen_q3_k(const uint8_t *b, int s, const K6Scales &st, __m256 w[4]) {
+  const uint8_t *qs = b + 32 + 32 * (s >> 2);
+  const __m128i shift = _mm_cvtsi32_si128(2 * (s & 3)), hshift = _mm_cvtsi32_si128(s);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs + 8 * i), shift), _mm256_set1_epi32(3));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(b + 8 * i), hshift), _mm256_set1_epi32(1));
+    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 2)), _mm256_set1_epi32(4));
+    w[i] = _mm256_mul_ps(_mm256_broadcast_ss(st.d + 2 * s + i / 2), _mm256_cvtepi32_ps(q));
+  }
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q2_k(const uint8_t *a, const uint8_t *b, int s, const K2Scales &sa,
+                                         const K2Scales &sb, __m512 w[4]) {
+  const size_t off = 16 + 32 * (s >> 2);
+  const __m128i shift = _mm_cvtsi32_si128(2 * (s & 3));
+  __m512i q[4];
+  piece_bytes_pair<false>(byte_field(load32(a + off), shift, 3), byte_field(load32(b + off), shift, 3), q);
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * s + i / 2;
+    w[i] = _mm512_fmadd_ps(floats_pair(sa.d + k, sb.d + k), _mm512_cvtepi32_ps(q[i]), floats_pair(sa.m + k, sb.m + k));
+  }
+}
+
+// A Q3_K piece's 32 values of one row as int8: (two bits | third bit << 2) - 4.
+DEEPINFER_AVX512_FN __m256i q3_k_bytes(const uint8_t *r, size_t off, __m128i shift, __m128i hshift) {
+  const __m256i q = _mm256_or_si256(byte_field(load32(r + off), shift, 3),
+                                    _mm256_slli_epi16(byte_field(load32(r), hshift, 1), 2));
+  return _mm256_sub_epi8(q, _mm256_set1_epi8(4));
+}
+
+DEEPINFER_AVX512_FN void widen_pair_q3_k(const uint8_t *a, const uint8_t *b, int s, const K6Scales &sa,
+                                         const K6Scales &sb, __m512 w[4]) {
+  const size_t off = 32 + 32 * (s >> 2);
+  const __m128i shift = _mm_cvtsi32_si128(2 * (s & 3)), hshift = _mm_cvtsi32_si128(s);
+  __m512i q[4];
+  piece_bytes_pair<true>(q3_k_bytes(a, off, shift, hshift), q3_k_bytes(b, off, shift, hshift), q);
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * s + i / 2;
+    w[i] = _mm512_mul_ps(floats_pair(sa.d + k, sb.d + k), _mm512_cvtepi32_ps(q[i]));
+  }
+}
+
 // The formats as types (see packed_blocks.h's Q4_1), with the state their pieces share.
 #define DEEPINFER_BLOCK_TYPE(Name, Bytes, Values, fn, StateType, prepare_fn)                           \
   struct Name {                                                                                      \
@@ -273,6 +365,8 @@ DEEPINFER_BLOCK_TYPE(Q5_1, 24, 32, q5_1, NoState, (void)b; (void)st)
 DEEPINFER_BLOCK_TYPE(Q4_K, 144, 256, q4_k, KScales, prepare_k(b, st))
 DEEPINFER_BLOCK_TYPE(Q5_K, 176, 256, q5_k, KScales, prepare_k(b, st))
 DEEPINFER_BLOCK_TYPE(Q6_K, 210, 256, q6_k, K6Scales, prepare_k6(b, st))
+DEEPINFER_BLOCK_TYPE(Q2_K, 84, 256, q2_k, K2Scales, prepare_k2(b, st))
+DEEPINFER_BLOCK_TYPE(Q3_K, 110, 256, q3_k, K6Scales, prepare_k3(b, st))
 #undef DEEPINFER_BLOCK_TYPE
 #endif
 

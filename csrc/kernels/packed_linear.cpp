@@ -120,6 +120,8 @@ void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, floa
     case WeightFormat::kQ8_0: return few_inputs<Q8_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_0: return few_inputs<Q5_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_1: return few_inputs<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return few_inputs<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return few_inputs<Q3_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_K: return few_inputs<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return few_inputs<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return few_inputs<Q6_K>(x, w, bias, y, M, n0, n1);

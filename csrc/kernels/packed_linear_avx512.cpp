@@ -205,6 +205,8 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
     case WeightFormat::kQ8_0: return few_rows<Q8_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_0: return few_rows<Q5_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_1: return few_rows<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return few_rows<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return few_rows<Q3_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_K: return few_rows<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return few_rows<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return few_rows<Q6_K>(x, w, bias, y, M, n0, n1);
@@ -220,6 +222,8 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
     case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_0: return many_rows<Q5_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_1: return many_rows<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return many_rows<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return many_rows<Q3_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_K: return many_rows<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return many_rows<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return many_rows<Q6_K>(x, w, bias, y, M, n0, n1);

@@ -56,10 +56,32 @@ void widen_q5_scalar(const uint8_t *b, bool with_min, float *out) {
   }
 }
 
+// Piece s of a Q2_K or Q3_K super-block (layouts as in packed_blocks_kquant.h).
+void widen_low_bits_scalar(WeightFormat f, const uint8_t *b, int s, float *out) {
+  const int h = s >> 2, t = s & 3;
+  for (int l = 0; l < kBlock; ++l) {
+    const int i = 2 * s + l / 16;  // the scale of these 16 values
+    if (f == WeightFormat::kQ2_K) {
+      const int q = (b[16 + 32 * h + l] >> (2 * t)) & 3;
+      out[l] = scale_at(b + 80) * static_cast<float>(b[i] & 0xf) * static_cast<float>(q) -
+               scale_at(b + 82) * static_cast<float>(b[i] >> 4);
+    } else {
+      const uint8_t *sc = b + 96;
+      const int low = i < 8 ? sc[i] & 0xf : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+      const int q = (((b[32 + 32 * h + l] >> (2 * t)) & 3) | ((b[l] >> s) & 1) << 2) - 4;
+      out[l] = scale_at(b + 108) * static_cast<float>((low | high << 4) - 32) * static_cast<float>(q);
+    }
+  }
+}
+
 // One 256-value K-quant super-block, piece s = values 32s..32s+31 (layouts as in
 // packed_blocks_kquant.h).
 void widen_kquant_scalar(WeightFormat f, const uint8_t *b, float *out) {
   for (int s = 0; s < 8; ++s, out += kBlock) {
+    if (f == WeightFormat::kQ2_K || f == WeightFormat::kQ3_K) {
+      widen_low_bits_scalar(f, b, s, out);
+      continue;
+    }
     if (f == WeightFormat::kQ6_K) {
       const int h = s >> 2, c = s & 3;
       const uint8_t *ql = b + 64 * h + 32 * (c & 1), *qh = b + 128 + 32 * h;
@@ -161,6 +183,8 @@ void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
     case WeightFormat::kQ8_0: return widen_blocks<Q8_0>(row, w.cols, out);
     case WeightFormat::kQ5_0: return widen_blocks<Q5_0>(row, w.cols, out);
     case WeightFormat::kQ5_1: return widen_blocks<Q5_1>(row, w.cols, out);
+    case WeightFormat::kQ2_K: return widen_blocks<Q2_K>(row, w.cols, out);
+    case WeightFormat::kQ3_K: return widen_blocks<Q3_K>(row, w.cols, out);
     case WeightFormat::kQ4_K: return widen_blocks<Q4_K>(row, w.cols, out);
     case WeightFormat::kQ5_K: return widen_blocks<Q5_K>(row, w.cols, out);
     case WeightFormat::kQ6_K: return widen_blocks<Q6_K>(row, w.cols, out);
@@ -180,7 +204,7 @@ bool packed_format_named(const std::string &name, WeightFormat *format) {
   static const std::pair<const char *, WeightFormat> names[] = {
       {"bf16", WeightFormat::kBF16}, {"q4_0", WeightFormat::kQ4_0}, {"q4_1", WeightFormat::kQ4_1},
       {"q8_0", WeightFormat::kQ8_0}, {"q5_0", WeightFormat::kQ5_0}, {"q5_1", WeightFormat::kQ5_1},
-      {"q4_k", WeightFormat::kQ4_K}, {"q5_k", WeightFormat::kQ5_K}, {"q6_k", WeightFormat::kQ6_K}};
+      {"q2_k", WeightFormat::kQ2_K}, {"q3_k", WeightFormat::kQ3_K}, {"q4_k", WeightFormat::kQ4_K}, {"q5_k", WeightFormat::kQ5_K}, {"q6_k", WeightFormat::kQ6_K}};
   for (const auto &n : names)
     if (name == n.first) {
       *format = n.second;
@@ -201,6 +225,8 @@ size_t packed_row_bytes(WeightFormat format, int cols) {
     case WeightFormat::kQ8_0: return blocks * 34;
     case WeightFormat::kQ5_0: return blocks * 22;
     case WeightFormat::kQ5_1: return blocks * 24;
+    case WeightFormat::kQ2_K: return blocks * 84;
+    case WeightFormat::kQ3_K: return blocks * 110;
     case WeightFormat::kQ4_K: return blocks * 144;
     case WeightFormat::kQ5_K: return blocks * 176;
     case WeightFormat::kQ6_K: return blocks * 210;
@@ -211,6 +237,8 @@ size_t packed_row_bytes(WeightFormat format, int cols) {
 int packed_block_size(WeightFormat format) {
   switch (format) {
     case WeightFormat::kBF16: return 1;
+    case WeightFormat::kQ2_K:
+    case WeightFormat::kQ3_K:
     case WeightFormat::kQ4_K:
     case WeightFormat::kQ5_K:
     case WeightFormat::kQ6_K: return kSuperBlock;

@@ -1,5 +1,5 @@
 // Weight matrices kept in the format they are stored in (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// the K-quants Q4_K, Q5_K, Q6_K; bf16), and
+// the K-quants Q2_K-Q6_K; bf16), and
 // their widening to fp32. Widening gives exactly the fp32 values that gguf's dequantize (and
 // a bf16 -> fp32 cast) gives: the scales are fp16 (times small integers in the K-quants), so
 // scale * quant is exact in fp32 and the one rounding left (Q4_1's and Q5_1's + min, the
@@ -16,7 +16,7 @@
 
 namespace deepinfer {
 
-enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
 
 struct PackedMatrix {
   const uint8_t *data;
@@ -25,8 +25,8 @@ struct PackedMatrix {
   WeightFormat format;
 };
 
-// The format called `name` ("bf16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k",
-// "q6_k"); false for any other name.
+// The format called `name` ("bf16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k",
+// "q4_k", "q5_k", "q6_k"); false for any other name.
 bool packed_format_named(const std::string &name, WeightFormat *format);
 
 // Bytes one row of `cols` values takes, or 0 when cols does not fit the format's blocks.

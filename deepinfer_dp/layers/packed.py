@@ -30,7 +30,8 @@ from deepinfer_dp.layers import cpu_threads
 
 # format -> (values per block, bytes per block), as ggml lays them out.
 FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-           "q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+           "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176),
+           "q6_k": (256, 210)}
 
 # Formats whose every value is its block's fp16 scale times an integer in [-128, 127], in
 # blocks of 32: Q8_0 holds their values exactly (see PackedWeight.as_q8_0).

@@ -42,7 +42,7 @@ CONVERTER_VERSION = 5
 PACKED_FILE = "packed/weights.safetensors"
 # GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
 GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
-               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "BF16": "bf16"}
+               "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "BF16": "bf16"}
 # The default model's GGUF carries no sampling settings, and neither does its Hugging Face
 # generation_config.json; these are the ones SmolLM2's model card samples with. Written into the
 # converted directory's generation_config.json, they are what `generation_config: auto` reads, so a

@@ -1,4 +1,4 @@
-"""The packed kernels on GGUF's 5-bit and K-quant formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+"""The packed kernels on GGUF's 5-bit and K-quant formats (Q5_0, Q5_1, Q2_K-Q6_K):
 widening equals gguf's dequantize bit for bit, on arbitrary blocks and on quantized matrices
 (K-quant blocks written by tests/kquant_ref.py, checked here against gguf's reader); the
 product equals `_C.linear` (cpu_linear's fp32 chains: the reduction order the packed kernels
@@ -19,10 +19,10 @@ from kquant_ref import dequantize, quantize
 from deepinfer_dp import _C
 from deepinfer_dp.layers import packed as P
 
-FORMATS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+FORMATS = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 # Byte offsets (within a block) of the high bytes of each block's fp16 scales.
-SCALE_HIGH_BYTES = {"q5_0": [1], "q5_1": [1, 3], "q4_k": [1, 3], "q5_k": [1, 3], "q6_k": [209], "q8_0": [1],
-                    "q4_0": [1]}
+SCALE_HIGH_BYTES = {"q4_0": [1], "q5_0": [1], "q5_1": [1, 3], "q8_0": [1], "q2_k": [81, 83], "q3_k": [109],
+                    "q4_k": [1, 3], "q5_k": [1, 3], "q6_k": [209]}
 K, N = 512, 45  # two super-blocks a row; an odd row count leaves the last AVX-512 pair short
 # All of 1-16 (the fused kernels' every width, then the tiles' remainders), then a spread to
 # 512 across the tiles of 8 inputs and the cache blocks of inputs; the slow test runs them all.
@@ -60,7 +60,8 @@ def inputs(rows: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(rows, K, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("fmt,rel_rms", [("q4_k", 0.12), ("q5_k", 0.06), ("q6_k", 0.03)])
+@pytest.mark.parametrize("fmt,rel_rms", [("q2_k", 0.4), ("q3_k", 0.22), ("q4_k", 0.12), ("q5_k", 0.06),
+                                          ("q6_k", 0.03)])
 def test_reference_quantizer_round_trips_through_gguf(fmt, rel_rms):
     """gguf reads the blocks back as the matrix, to within the format's precision."""
     w = np.random.default_rng(3).standard_normal((16, 1024)).astype(np.float32)
