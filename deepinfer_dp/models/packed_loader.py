@@ -1,10 +1,10 @@
 """Builds a CPU fp32 model whose matrices stay in their stored format (see layers/packed.py).
 
-GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q4_K, Q5_K, Q6_K and BF16 matrices
+GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K and BF16 matrices
 run from their blocks as stored (the default model: Q4_1 layers, a Q8_0 embedding tied to the
 lm_head), read from the packed copy the converter keeps next to the fp32 one (parsing the GGUF
-file itself takes seconds: its 49k-token vocabulary); other GGUF types (F16, Q2_K, Q3_K, the
-IQ formats) are widened to fp32 at load, and the converter logs which.
+file itself takes seconds: its 49k-token vocabulary); other GGUF types (F16, the IQ and TQ
+formats) are widened to fp32 at load, and the converter logs which.
 Hugging Face directories: bf16 matrices stay bf16. Norms and biases are widened to fp32 (they are small).
 
 A fused projection (q/k/v, gate/up) is packed when all its parts share one format, or all
