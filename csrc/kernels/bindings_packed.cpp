@@ -29,7 +29,8 @@ void need(bool ok, const char *op, const std::string &what) {
 WeightFormat parse_format(const std::string &name, const char *op) {
   WeightFormat f;
   if (packed_format_named(name, &f)) return f;
-  throw py::value_error(std::string(op) + ": unknown weight format '" + name + "' (bf16, q4_0, q4_1, q8_0)");
+  throw py::value_error(std::string(op) + ": unknown weight format '" + name +
+                        "' (bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)");
 }
 
 // The matrix behind `weight` [rows, row_bytes] uint8, checked against format and cols.
@@ -102,7 +103,8 @@ void bind_packed_kernels(py::module_ &m) {
         py::arg("format"), py::arg("cols"), py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(),
         py::arg("num_threads") = 1,
         "out[M, N] = x[M, cols] @ W.T (+ bias[N]) in fp32, W [N, cols] packed as `format` (bf16, q4_0,\n"
-        "q4_1, q8_0; weight holds its bytes, [N, bytes per row] uint8) and widened in cache; bit for bit\n"
+        "q4_1, q5_0, q5_1, q8_0, q2_k-q6_k; weight holds its bytes, [N, bytes per row] uint8)\n"
+        "and widened in cache; bit for bit\n"
         "what `linear` gives on the widened matrix. num_threads > 1 splits the output columns.");
   m.def("packed_widen", &packed_widen_py, py::arg("weight").noconvert(), py::arg("format"), py::arg("cols"),
         py::arg("begin"), py::arg("end"), py::arg("out").noconvert(), py::arg("num_threads") = 1,

@@ -104,17 +104,26 @@ DEEPINFER_AVX512_FN void scales_pair(const uint8_t *a, const uint8_t *b, __m512 
                                                      s, s, s, s, s, s, s, s), f);
 }
 
-// The 16 quant bytes of a Q4 block in each row, as nibbles::q[0..3] for both rows.
-DEEPINFER_AVX512_FN void nibbles_pair(const uint8_t *qa, const uint8_t *qb, int bias, __m512 q[4]) {
+// The 16 quant bytes of a Q4 (or Q5) block in each row as 32 nibbles of each: q[0] = values
+// 0-7 of row a, then of row b; q[1] = values 8-15; q[2] = 16-23; q[3] = 24-31.
+DEEPINFER_AVX512_FN void nibbles_pair_ints(const uint8_t *qa, const uint8_t *qb, __m512i q[4]) {
   const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qa));
   const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qb));
   const __m512i lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(va, vb));  // bytes 0-7 of a, of b
   const __m512i hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(va, vb));  // bytes 8-15
-  const __m512i mask = _mm512_set1_epi32(0x0f), off = _mm512_set1_epi32(bias);
-  q[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(lo, mask), off));
-  q[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(hi, mask), off));
-  q[2] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(lo, 4), off));
-  q[3] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(hi, 4), off));
+  const __m512i mask = _mm512_set1_epi32(0x0f);
+  q[0] = _mm512_and_si512(lo, mask);
+  q[1] = _mm512_and_si512(hi, mask);
+  q[2] = _mm512_srli_epi32(lo, 4);
+  q[3] = _mm512_srli_epi32(hi, 4);
+}
+
+// The same, minus `bias`, as floats (exact): nibbles::q[0..3] for both rows.
+DEEPINFER_AVX512_FN void nibbles_pair(const uint8_t *qa, const uint8_t *qb, int bias, __m512 q[4]) {
+  __m512i n[4];
+  nibbles_pair_ints(qa, qb, n);
+  const __m512i off = _mm512_set1_epi32(bias);
+  for (int i = 0; i < 4; ++i) q[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(n[i], off));
 }
 
 DEEPINFER_AVX512_FN void widen_pair_q4_0(const uint8_t *a, const uint8_t *b, __m512 w[4]) {
@@ -150,32 +159,55 @@ DEEPINFER_AVX512_FN void widen_pair_bf16(const uint8_t *a, const uint8_t *b, __m
   }
 }
 
-// The format as a type, for kernels that take it as a template argument.
+// The state a block's pieces share (the K-quants' decoded scales); none here.
+struct NoState {};
+
+// The format as a type, for kernels that take it as a template argument. A block holds
+// kValues values in kBytes bytes and widens in kSubs pieces of 32 values: after
+// prepare(block, state), widen(block, s, state, w) gives values 32s..32s+31 of the block
+// (these formats have one piece; the K-quants' 256-value super-blocks,
+// packed_blocks_kquant.h, eight).
 struct BF16 {
   static constexpr size_t kBytes = 64;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, __m256 w[4]) { widen_bf16(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, __m512 w[4]) {
+  static constexpr int kValues = 32, kSubs = 1;
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_bf16(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_bf16(a, b, w);
   }
 };
 struct Q4_0 {
   static constexpr size_t kBytes = 18;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, __m256 w[4]) { widen_q4_0(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, __m512 w[4]) {
+  static constexpr int kValues = 32, kSubs = 1;
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q4_0(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q4_0(a, b, w);
   }
 };
 struct Q4_1 {
   static constexpr size_t kBytes = 20;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, __m256 w[4]) { widen_q4_1(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, __m512 w[4]) {
+  static constexpr int kValues = 32, kSubs = 1;
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q4_1(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q4_1(a, b, w);
   }
 };
 struct Q8_0 {
   static constexpr size_t kBytes = 34;
-  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, __m256 w[4]) { widen_q8_0(b, w); }
-  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, __m512 w[4]) {
+  static constexpr int kValues = 32, kSubs = 1;
+  using State = NoState;
+  DEEPINFER_AVX2_FN static void prepare(const uint8_t *, State &) {}
+  DEEPINFER_AVX2_FN static void widen(const uint8_t *b, int, const State &, __m256 w[4]) { widen_q8_0(b, w); }
+  DEEPINFER_AVX512_FN static void widen_pair(const uint8_t *a, const uint8_t *b, int, const State &, const State &,
+                                             __m512 w[4]) {
     widen_pair_q8_0(a, b, w);
   }
 };

@@ -6,6 +6,7 @@
 
 #include "cpu_linear.h"
 #include "packed_blocks.h"
+#include "packed_blocks_kquant.h"
 #include "packed_linear_avx512.h"
 #include "thread_pool.h"
 
@@ -48,24 +49,30 @@ DEEPINFER_AVX2_FN void rows_inputs(const float *x, const PackedMatrix &w, const 
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm256_setzero_ps();
   }
   __m256 wv[4], xv[4];
-  for (int k = 0; k < K; k += 32) {
-    // At one input row its block stays in registers for all NB weight rows (fewer loads next
-    // to the widening's own); at more rows the loads go into the multiply-adds.
-    if (MB == 1)
-      for (int i = 0; i < 4; ++i) xv[i] = _mm256_loadu_ps(x + k + 8 * i);
-    // One weight row's block at a time, so only its four vectors are live next to the
-    // accumulators; the chains of the other rows overlap it out of order.
-    for (int b = 0; b < NB; ++b) {
-      // The rows after this group, one block at a time: at one input row the kernel is
-      // bound by memory, and the hardware prefetcher alone leaves half the bandwidth unused.
-      _mm_prefetch(reinterpret_cast<const char *>(rows[b] + kAheadRows * w.row_bytes), _MM_HINT_T0);
-      F::widen(rows[b], wv);
-      rows[b] += F::kBytes;
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < MB; ++j)
-          acc[b][j] = _mm256_fmadd_ps(
-              wv[i], MB == 1 ? xv[i] : _mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i), acc[b][j]);
+  typename F::State state[NB];
+  for (int kb = 0; kb < K; kb += F::kValues) {
+    for (int b = 0; b < NB; ++b) F::prepare(rows[b], state[b]);
+    for (int s = 0; s < F::kSubs; ++s) {  // 32 values at a time (a K-quant block holds 8 x 32)
+      const int k = kb + 32 * s;
+      // At one input row its block stays in registers for all NB weight rows (fewer loads next
+      // to the widening's own); at more rows the loads go into the multiply-adds.
+      if (MB == 1)
+        for (int i = 0; i < 4; ++i) xv[i] = _mm256_loadu_ps(x + k + 8 * i);
+      // One weight row's block at a time, so only its four vectors are live next to the
+      // accumulators; the chains of the other rows overlap it out of order.
+      for (int b = 0; b < NB; ++b) {
+        // The rows after this group, a block's share at a time: at one input row the kernel is
+        // bound by memory, and the hardware prefetcher alone leaves half the bandwidth unused.
+        _mm_prefetch(reinterpret_cast<const char *>(rows[b] + kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs),
+                     _MM_HINT_T0);
+        F::widen(rows[b], s, state[b], wv);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < MB; ++j)
+            acc[b][j] = _mm256_fmadd_ps(
+                wv[i], MB == 1 ? xv[i] : _mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i), acc[b][j]);
+      }
     }
+    for (int b = 0; b < NB; ++b) rows[b] += F::kBytes;
   }
   for (int b = 0; b < NB; ++b) {
     for (int j = 0; j < MB; ++j) {
@@ -87,7 +94,7 @@ __attribute__((target("avx2,fma,f16c"))) void columns_inputs(const float *x, con
 // accumulators plus the widened blocks within (or just past) the 16 vector registers.
 template <class F>
 void few_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
-  constexpr bool kWideBlocks = F::kBytes > 32;  // Q8_0 (34 bytes) and bf16 (64)
+  constexpr bool kWideBlocks = F::kBytes / F::kSubs > 32;  // Q8_0 (34 bytes) and bf16 (64)
   switch (M) {
     case 1: return columns_inputs<F, 1, 4>(x, w, bias, y, n0, n1);
     case 2: return columns_inputs<F, 2, 4>(x, w, bias, y, n0, n1);
@@ -111,13 +118,20 @@ void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, floa
     case WeightFormat::kQ4_0: return few_inputs<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return few_inputs<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return few_inputs<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_0: return few_inputs<Q5_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_1: return few_inputs<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return few_inputs<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return few_inputs<Q3_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_K: return few_inputs<Q4_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_K: return few_inputs<Q5_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ6_K: return few_inputs<Q6_K>(x, w, bias, y, M, n0, n1);
   }
 }
 
 bool fused_ok(const PackedMatrix &w) {
   static const bool cpu =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return cpu && w.cols % 32 == 0;
+  return cpu && w.cols % packed_block_size(w.format) == 0 && w.cols % 32 == 0;
 }
 #endif
 }  // namespace

@@ -1,4 +1,4 @@
-// y = x · wᵀ + b with w kept packed (Q4_0, Q4_1, Q8_0, bf16; see packed_weights.h) and x, y,
+// y = x · wᵀ + b with w kept packed (GGUF formats, bf16; see packed_weights.h) and x, y,
 // b in fp32: the matrix product of decode-sized batches for models that run from their
 // stored format. Each group of 3 weight rows is widened once into a small buffer that stays
 // in the L1 cache and then goes through the fp32 register tiles of cpu_linear.h against

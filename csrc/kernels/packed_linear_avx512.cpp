@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "packed_blocks.h"
+#include "packed_blocks_kquant.h"
 
 namespace deepinfer {
 
@@ -48,19 +49,25 @@ AVX512_KERNEL void pair_inputs(const float *x, const PackedMatrix &w, const floa
   const uint8_t *pa = w.data + static_cast<size_t>(a) * w.row_bytes, *pb = w.data + static_cast<size_t>(b) * w.row_bytes;
   __m512 acc[MB], wv[4], xv[4];
   for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
-  for (int k = 0; k < K; k += 32) {
-    if (MB == 1)
-      for (int i = 0; i < 4; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
-    _mm_prefetch(reinterpret_cast<const char *>(pa + kAheadRows * w.row_bytes), _MM_HINT_T0);  // two pairs on
-    _mm_prefetch(reinterpret_cast<const char *>(pb + kAheadRows * w.row_bytes), _MM_HINT_T0);
-    F::widen_pair(pa, pb, wv);
-    pa += F::kBytes;
-    pb += F::kBytes;
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < MB; ++j)
-        acc[j] = _mm512_fmadd_ps(
-            wv[i], MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
-            acc[j]);
+  typename F::State sa, sb;
+  for (int kb = 0; kb < K; kb += F::kValues, pa += F::kBytes, pb += F::kBytes) {
+    F::prepare(pa, sa);
+    F::prepare(pb, sb);
+    for (int s = 0; s < F::kSubs; ++s) {  // 32 values at a time (a K-quant block holds 8 x 32)
+      const int k = kb + 32 * s;
+      if (MB == 1)
+        for (int i = 0; i < 4; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
+      const size_t ahead = kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs;  // two pairs on
+      _mm_prefetch(reinterpret_cast<const char *>(pa + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char *>(pb + ahead), _MM_HINT_T0);
+      F::widen_pair(pa, pb, s, sa, sb, wv);
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < MB; ++j)
+          acc[j] = _mm512_fmadd_ps(
+              wv[i],
+              MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
+              acc[j]);
+    }
   }
   for (int j = 0; j < MB; ++j) store_pair(acc[j], bias, y + static_cast<size_t>(j) * w.rows, a, b);
 }
@@ -93,9 +100,14 @@ AVX512_KERNEL void widen_pairs(const PackedMatrix &w, const int (*rows)[2], int 
     const uint8_t *pa = w.data + static_cast<size_t>(rows[p][0]) * w.row_bytes;
     const uint8_t *pb = w.data + static_cast<size_t>(rows[p][1]) * w.row_bytes;
     float *out = buf + static_cast<size_t>(p) * 2 * w.cols;
-    for (int k = 0; k < w.cols; k += 32, pa += F::kBytes, pb += F::kBytes, out += 64) {
-      F::widen_pair(pa, pb, wv);
-      for (int i = 0; i < 4; ++i) _mm512_store_ps(out + 16 * i, wv[i]);
+    typename F::State sa, sb;
+    for (int k = 0; k < w.cols; k += F::kValues, pa += F::kBytes, pb += F::kBytes) {
+      F::prepare(pa, sa);
+      F::prepare(pb, sb);
+      for (int s = 0; s < F::kSubs; ++s, out += 64) {
+        F::widen_pair(pa, pb, s, sa, sb, wv);
+        for (int i = 0; i < 4; ++i) _mm512_store_ps(out + 16 * i, wv[i]);
+      }
     }
   }
 }
@@ -191,6 +203,13 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
     case WeightFormat::kQ4_0: return few_rows<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return few_rows<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return few_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_0: return few_rows<Q5_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_1: return few_rows<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return few_rows<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return few_rows<Q3_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_K: return few_rows<Q4_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_K: return few_rows<Q5_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ6_K: return few_rows<Q6_K>(x, w, bias, y, M, n0, n1);
   }
 }
 
@@ -201,6 +220,13 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
     case WeightFormat::kQ4_0: return many_rows<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return many_rows<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_0: return many_rows<Q5_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_1: return many_rows<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return many_rows<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return many_rows<Q3_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_K: return many_rows<Q4_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_K: return many_rows<Q5_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ6_K: return many_rows<Q6_K>(x, w, bias, y, M, n0, n1);
   }
 }
 void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,

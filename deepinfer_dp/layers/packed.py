@@ -1,7 +1,8 @@
 """Weights kept in the format they are stored in, widened to fp32 inside the CPU kernels.
 
-The default model is a GGUF file with Q4_1 layers and a Q8_0 embedding, and most Hugging
-Face checkpoints are bf16. Widening them to fp32 at load makes every decode step read 2-6x
+The default model is a GGUF file with Q4_1 layers and a Q8_0 embedding, most downloaded GGUF
+files mix K-quants (Q4_K, Q5_K, Q6_K) with Q5_0 and Q8_0, and most Hugging Face checkpoints
+are bf16. Widening them to fp32 at load makes every decode step read 2-6x
 more bytes than the file holds; here they stay packed and `_C.packed_linear` widens each
 group of weight rows in the L1 cache right before using it. Widening is exact (gguf's
 dequantize and a bf16 -> fp32 cast give the same values), and the fp32 arithmetic after it
@@ -28,7 +29,13 @@ from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
 
 # format -> (values per block, bytes per block), as ggml lays them out.
-FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+           "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176),
+           "q6_k": (256, 210)}
+
+# Formats whose every value is its block's fp16 scale times an integer in [-128, 127], in
+# blocks of 32: Q8_0 holds their values exactly (see PackedWeight.as_q8_0).
+EXACT_IN_Q8_0 = {"q4_0": 8, "q5_0": 16, "q8_0": 0}  # format -> the offset its quants carry
 
 # Rows up to which the packed kernel runs; larger batches widen and use torch's GEMM.
 # benchmarks/kernel_crossover.py on SmolLM2's Q4_1 layers, 2 threads: the kernel is 4-8x
@@ -81,6 +88,24 @@ class PackedWeight:
         if len({(p.format, p.cols) for p in parts}) != 1:
             raise ValueError("packed matrices to concatenate differ in format or columns")
         return cls(np.concatenate([p.data for p in parts]), parts[0].format, parts[0].cols)
+
+    def as_q8_0(self) -> PackedWeight:
+        """The same values as Q8_0 blocks: exact for Q4_0 and Q5_0, whose d * (q - 8) and
+        d * (q - 16) are d times an int8 (a fused projection mixing them with Q8_0, as
+        Q4_K_M files do where rows don't fit K-quant blocks, then runs as one matrix)."""
+        if self.format not in EXACT_IN_Q8_0:
+            raise ValueError(f"{self.format} values are not exact in q8_0")
+        if self.format == "q8_0":
+            return self
+        _, nbytes = FORMATS[self.format]
+        blocks = self.data.reshape(self.rows, -1, nbytes)
+        qs = blocks[..., nbytes - 16:]  # the 16 nibble bytes: values j (low) and j + 16 (high)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+        if self.format == "q5_0":  # bit j of the 4 bytes after d is value j's fifth bit
+            q |= np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little").astype(np.int16) << 4
+        q8 = (q - EXACT_IN_Q8_0[self.format]).astype(np.int8).view(np.uint8)
+        data = np.concatenate([blocks[..., :2], q8], axis=-1).reshape(self.rows, -1)
+        return PackedWeight(np.ascontiguousarray(data), "q8_0", self.cols)
 
     def widen(self, begin: int = 0, end: int | None = None, out: torch.Tensor | None = None,
               threads: int = 1) -> torch.Tensor:

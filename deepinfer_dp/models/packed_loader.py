@@ -1,13 +1,15 @@
 """Builds a CPU fp32 model whose matrices stay in their stored format (see layers/packed.py).
 
-GGUF files: Q4_0, Q4_1, Q8_0 and BF16 matrices run from their blocks as stored (the
-default model: Q4_1 layers, a Q8_0 embedding tied to the lm_head), read from the packed
-copy the converter keeps next to the fp32 one (parsing the GGUF file itself takes seconds:
-its 49k-token vocabulary); other GGUF types (F16, the K-quants) are widened to fp32 at load.
+GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K-Q6_K and BF16 matrices
+run from their blocks as stored (the default model: Q4_1 layers, a Q8_0 embedding tied to the
+lm_head), read from the packed copy the converter keeps next to the fp32 one (parsing the GGUF
+file itself takes seconds: its 49k-token vocabulary); other GGUF types (F16, the IQ and TQ
+formats) are widened to fp32 at load, and the converter logs which.
 Hugging Face directories: bf16 matrices stay bf16. Norms and biases are widened to fp32 (they are small).
 
-A fused projection (q/k/v, gate/up) is packed when all its parts share one format;
-otherwise it is widened. The embedding of a tied model is packed once and serves as the
+A fused projection (q/k/v, gate/up) is packed when all its parts share one format, or all
+are Q4_0/Q5_0/Q8_0 (then as Q8_0, which holds their values exactly: Gemma 3's Q4_K_M file
+has Q5_0 q/k next to a Q8_0 v); otherwise it is widened. The embedding of a tied model is packed once and serves as the
 lm_head too, so the lm_head runs from the stored embedding (Q8_0 in the default model):
 it is a fifth of a decode step's arithmetic and a third of its weight bytes.
 """
@@ -22,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+from deepinfer_dp.layers.packed import EXACT_IN_Q8_0, PackedEmbedding, PackedLinear, PackedWeight
 from deepinfer_dp.models.default_model import PACKED_FILE
 
 if TYPE_CHECKING:
@@ -101,9 +103,12 @@ def _install_packed(model: LlamaForCausalLM, weights: Weights) -> set[str]:
 
 def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str]) -> nn.Module:
     parts = [weights.get(n) for n in names]
-    if not all(isinstance(w, PackedWeight) for w in parts) \
-            or len({(w.format, w.cols) for w in parts}) != 1:
+    if not all(isinstance(w, PackedWeight) for w in parts) or len({w.cols for w in parts}) != 1:
         return linear  # widened at load, as an fp32 nn.Linear
+    if len({w.format for w in parts}) > 1 and all(w.format in EXACT_IN_Q8_0 for w in parts):
+        parts = [w.as_q8_0() for w in parts]  # exact: Q4_0/Q5_0 values are Q8_0 values
+    if len({w.format for w in parts}) != 1:
+        return linear
     used.update(names)
     # The bias stays a (meta) parameter: load_weights fills it in like any other.
     return PackedLinear(parts[0] if len(parts) == 1 else PackedWeight.concat(parts), linear.bias)

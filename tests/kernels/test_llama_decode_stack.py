@@ -71,8 +71,8 @@ def test_misuse_names_what_was_wrong():
     with pytest.raises(ValueError, match=r"qkv: weight must be \[32, 16\]"):
         stack.add_layer((f32(H, H), "f32", None), (f32(H, HEADS * D), "f32", None), (f32(2 * INTER, H), "f32", None),
                         (f32(H, INTER), "f32", None), np.ones(H, np.float32), np.ones(H, np.float32), 0.5)
-    with pytest.raises(ValueError, match="unknown format 'q5_k'"):
-        stack.add_layer((np.zeros((32, 8), np.uint8), "q5_k", None), (f32(H, HEADS * D), "f32", None),
+    with pytest.raises(ValueError, match="unknown format 'iq4_xs'"):
+        stack.add_layer((np.zeros((32, 8), np.uint8), "iq4_xs", None), (f32(H, HEADS * D), "f32", None),
                         (f32(2 * INTER, H), "f32", None), (f32(H, INTER), "f32", None), np.ones(H, np.float32),
                         np.ones(H, np.float32), 0.5)
     k, v = caches()

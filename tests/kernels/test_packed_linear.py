@@ -133,7 +133,7 @@ def test_avx512_and_avx2_kernels_give_the_same_floats(fmt, tmp_path):
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda w, x, o: _C.packed_linear(x, w, "q5_0", 64, None, o, 1), "unknown weight format"),
+    (lambda w, x, o: _C.packed_linear(x, w, "iq4_xs", 64, None, o, 1), "unknown weight format"),
     (lambda w, x, o: _C.packed_linear(x, w, "q4_1", 32, None, o, 1), "bytes"),
     (lambda w, x, o: _C.packed_linear(x, w, "q4_1", 48, None, o, 1), "does not fit"),
     (lambda w, x, o: _C.packed_linear(x[:, :32].copy(), w, "q4_1", 64, None, o, 1), "K differs"),
@@ -156,7 +156,7 @@ def test_bad_arguments_raise_by_name(call, match):
 
 def test_packed_weight_checks_its_layout():
     with pytest.raises(ValueError, match="unknown packed format"):
-        P.PackedWeight(np.zeros((2, 20), np.uint8), "q4_k", 32)
+        P.PackedWeight(np.zeros((2, 20), np.uint8), "iq4_xs", 32)
     with pytest.raises(ValueError, match="want C-contiguous uint8"):
         P.PackedWeight(np.zeros((2, 21), np.uint8), "q4_1", 32)
     with pytest.raises(ValueError, match="differ in format"):
