@@ -90,7 +90,7 @@ def attention_layout(config) -> tuple[bool, bool, str | None]:
     if model_type in ("qwen2", "qwen2_moe"):  # q/k/v bias (qkv_bias in Qwen2-MoE), none on o_proj
         return bool(getattr(config, "qkv_bias", True)), False, None
     bias = bool(getattr(config, "attention_bias", False))
-    norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(model_type)
+    norm = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "full"}.get(model_type)
     return bias, bias, norm
 
 

@@ -50,22 +50,35 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     return outs
 
 
-def sixteen_prompts() -> list[list[int]]:
-    """16 prompts, most past the window; four pairs share a 24-token head (prefix-cache hits)."""
+def window_prompts(count: int) -> list[list[int]]:
+    """16 prompts, most past the window; four share a 24-token head with the eighth (prefix-cache
+    hits); or (count 4) the two longest and two that share their head."""
     prompts = prompts_of_lengths([5, 17, 40, 70, 9, 33, 52, 90, 21, 64, 12, 45])
     head = prompts[7][:24]
-    return prompts + [head + p[:n] for p, n in zip(prompts[:4], (3, 11, 20, 30), strict=True)]
+    prompts += [head + p[:n] for p, n in zip(prompts[:4], (3, 11, 20, 30), strict=True)]
+    return prompts if count == 16 else [prompts[i] for i in (3, 7, 12, 13)]
 
 
-def test_sliding_window_matches_transformers(sliding_model):
-    kind, path = sliding_model
-    prompts = sixteen_prompts()
+# (prompts, new tokens): a quick case by default, all 16 prompts with the slow tests.
+CASES = [(4, 24), pytest.param(16, 40, marks=pytest.mark.slow)]
+
+
+def check_greedy(path, count: int, max_tokens: int) -> LLM:
+    """Greedy tokens of window_prompts(count) equal transformers', with chunked prefill (32
+    tokens a step) and prefix-cache hits; returns the LLM for further checks."""
+    prompts = window_prompts(count)
     llm = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4, num_kv_blocks=512)
-    assert llm.llm_engine.max_model_len == 512  # not capped at the window
-    params = SamplingParams(max_tokens=40, **GREEDY)
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
     ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     assert llm.llm_engine.scheduler.stats["prefix_hit_tokens"] > 0
-    assert ours == hf_greedy(path, prompts, 40)
+    assert ours == hf_greedy(path, prompts, max_tokens)
+    return llm
+
+
+@pytest.mark.parametrize(("count", "max_tokens"), CASES)
+def test_sliding_window_matches_transformers(sliding_model, count, max_tokens):
+    llm = check_greedy(sliding_model[1], count, max_tokens)
+    assert llm.llm_engine.max_model_len == 512  # not capped at the window
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
