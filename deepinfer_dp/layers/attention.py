@@ -117,6 +117,14 @@ class Attention(nn.Module):
         return out
 
 
+def freeable_window(model: nn.Module) -> int:
+    """The window past which a sequence's blocks may be freed: the widest sliding window when
+    every attention layer of `model` has one, else 0 (a layer that sees the whole context, or
+    a model whose attention is not this module's, keeps every block)."""
+    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
+    return max(windows) if windows and all(windows) else 0
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Writes k/v [T, Hkv, D] into the cache slots of this step (one indexed copy each)."""

@@ -123,3 +123,31 @@ def test_windowed_kernel_equals_masked_torch(dtype):
     with pytest.raises(ValueError, match="window must be >= 0"):
         _C.paged_attention(q.numpy(), A.cache_array(k_cache), A.cache_array(v_cache), tables.numpy(),
                            md.seq_lens.numpy(), torch.empty_like(q).numpy(), 0.125, 1, None, -1)
+
+
+def test_blocks_out_of_the_window_are_freed(sliding_model):
+    """Mistral (every layer slides): a sequence keeps only the blocks its window reaches, the
+    rest go back to the pool as it grows, and its tokens stay transformers'. Qwen2 here has a
+    layer that sees everything: it keeps every block."""
+    kind, path = sliding_model
+    engine = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4,
+                 num_kv_blocks=512).llm_engine
+    sched = engine.scheduler
+    assert sched.config.sliding_window == (WINDOW if kind == "mistral" else 0)
+    prompt = window_prompts(4)[1]  # 90 tokens: prefilled in chunks of 32
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=30, **GREEDY))
+    most_held, tokens = 0, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += list(out.token_ids) if out.request_id == rid else []
+        seq = sched.get_sequence(rid)
+        if seq is not None and seq.block_table:
+            held = [b for b in seq.block_table if b != 0]
+            assert sched.num_free_blocks == sched.num_usable_blocks - len(held)
+            most_held = max(most_held, len(held))
+    total_blocks = -(-(len(prompt) + 29) // 4)  # the last sampled token is never stored
+    if kind == "mistral":  # the window's blocks plus one 32-token chunk's, never the whole sequence
+        assert most_held <= WINDOW // 4 + 32 // 4 + 1 < total_blocks
+    else:
+        assert most_held == total_blocks
+    assert tokens == hf_greedy(path, [prompt], 30)[0]
