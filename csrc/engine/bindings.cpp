@@ -89,20 +89,23 @@ void bind_scheduler_output(py::module_ &m) {
 void bind_scheduler(py::module_ &m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int max_num_seqs, int max_num_batched_tokens, int block_size, int num_blocks, int max_model_len,
-                       int vocab_size, bool enable_prefix_caching) {
+                       int vocab_size, bool enable_prefix_caching, int sliding_window) {
              return SchedulerConfig{max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                                    max_model_len, vocab_size, enable_prefix_caching};
+                                    max_model_len, vocab_size, enable_prefix_caching, sliding_window};
            }),
            py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048, py::arg("block_size") = 16,
            py::arg("num_blocks") = 1024, py::arg("max_model_len") = 2048, py::arg("vocab_size") = 32000,
-           py::arg("enable_prefix_caching") = true)
+           py::arg("enable_prefix_caching") = true, py::arg("sliding_window") = 0)
       .def_readonly("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readonly("block_size", &SchedulerConfig::block_size)
       .def_readonly("num_blocks", &SchedulerConfig::num_blocks)
       .def_readonly("max_model_len", &SchedulerConfig::max_model_len)
       .def_readonly("vocab_size", &SchedulerConfig::vocab_size)
-      .def_readonly("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching);
+      .def_readonly("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
+      .def_readonly("sliding_window", &SchedulerConfig::sliding_window,
+                    "Every layer's sliding window: a sequence's blocks wholly before it are freed as it grows "
+                    "(0: none).");
 
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig &>(), py::arg("config"))

@@ -18,10 +18,11 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finalizer: full avalanche
 }
 }  // namespace
 
-BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int sliding_window)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
+      sliding_window_(sliding_window),
       ref_count_(num_blocks, 0),
       prev_(num_blocks, -1),
       next_(num_blocks, -1),
@@ -89,11 +90,28 @@ bool BlockManager::allocate_up_to(Sequence &seq, int num_positions) {
   return true;
 }
 
+int BlockManager::free_outside_window(Sequence &seq, int first_query) {
+  if (sliding_window_ <= 0) return 0;
+  const int first_seen = first_query + 1 - sliding_window_;
+  const int dead = std::min(first_seen > 0 ? first_seen / block_size_ : 0, static_cast<int>(seq.block_table.size()));
+  int freed = 0;
+  for (int i = seq.num_window_freed; i < dead; ++i) {
+    const int b = seq.block_table[i];
+    seq.block_table[i] = kDummyBlock;
+    if (b == kDummyBlock) continue;
+    if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
+    ++freed;
+  }
+  seq.num_window_freed = std::max(seq.num_window_freed, dead);
+  return freed;
+}
+
 void BlockManager::trim(Sequence &seq, int num_positions) {
   size_t keep = static_cast<size_t>((std::max(num_positions, 0) + block_size_ - 1) / block_size_);
   while (seq.block_table.size() > keep) {
     int b = seq.block_table.back();
     seq.block_table.pop_back();
+    if (b == kDummyBlock) continue;  // freed out of the window already
     // Never a hashed block: only full blocks of accepted tokens are keyed, and those are kept.
     if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
   }
@@ -108,7 +126,9 @@ void BlockManager::register_full_blocks(Sequence &seq) {
     const int32_t *blk = tokens.data() + static_cast<size_t>(i) * block_size_;
     uint64_t h = chain_hash(seq.last_block_hash, blk);
     int b = seq.block_table[i];
-    if (!has_hash_[b] && hash_to_block_.find(h) == hash_to_block_.end()) {
+    // A block freed out of the window before it was keyed holds nothing of this sequence's
+    // any more: the chain goes on past it, but it is never a prefix hit.
+    if (b != kDummyBlock && !has_hash_[b] && hash_to_block_.find(h) == hash_to_block_.end()) {
       hash_to_block_[h] = b;
       has_hash_[b] = 1;
       block_hash_[b] = h;
@@ -124,9 +144,11 @@ void BlockManager::free_sequence(Sequence &seq) {
   // Release in reverse so a sequence's tail blocks are evicted before its shared head.
   for (auto it = seq.block_table.rbegin(); it != seq.block_table.rend(); ++it) {
     int b = *it;
+    if (b == kDummyBlock) continue;  // freed out of the window already
     if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
   }
   seq.block_table.clear();
+  seq.num_window_freed = 0;
   seq.num_hashed_blocks = 0;
   seq.last_block_hash = 0;
 }

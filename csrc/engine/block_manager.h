@@ -1,5 +1,8 @@
 // Paged KV cache allocator: fixed-size blocks, reference counts, a free list in LRU
-// order, and a prefix cache keyed by a hash chained over full blocks' token ids.
+// order, and a prefix cache keyed by a hash chained over full blocks' token ids. For a model
+// whose every layer attends over a sliding window, a sequence's blocks that fall wholly out
+// of the window are given back as it grows (vLLM's sliding-window manager): its table keeps
+// the dummy block in their place, which attention never reads.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +18,9 @@ class BlockManager {
   // Block 0 is the dummy block of placeholder steps and is never handed out.
   static constexpr int kDummyBlock = 0;
 
-  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching);
+  // sliding_window: every layer's window (positions a query sees, itself included), or 0
+  // when some layer sees the whole context (nothing is freed early).
+  BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int sliding_window = 0);
 
   int block_size() const { return block_size_; }
   int num_blocks() const { return num_blocks_; }
@@ -33,6 +38,11 @@ class BlockManager {
   // Grows `seq`'s block table to cover `num_positions`; false (nothing taken) if short of blocks.
   bool allocate_up_to(Sequence &seq, int num_positions);
   int blocks_needed(const Sequence &seq, int num_positions) const;
+  // Before a step whose first query of `seq` sits at position `first_query`: gives back the
+  // blocks wholly before that query's window (no later query reads them); returns how many.
+  // A freed block keeps its prefix-cache key until it is handed out again.
+  int free_outside_window(Sequence &seq, int first_query);
+  int sliding_window() const { return sliding_window_; }
   // Gives back the blocks past the first `num_positions` positions (rejected draft slots).
   void trim(Sequence &seq, int num_positions);
   // Keys the sequence's newly full, processed blocks in the prefix cache.
@@ -53,6 +63,7 @@ class BlockManager {
   int num_blocks_;
   int block_size_;
   bool prefix_caching_;
+  int sliding_window_;
   int num_free_ = 0;
   std::vector<int> ref_count_;
   // Intrusive doubly linked free list: head is evicted first.

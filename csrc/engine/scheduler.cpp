@@ -21,7 +21,7 @@ Scheduler::Scheduler(const SchedulerConfig &config)
       max_seq_len_(static_cast<int>(std::min<int64_t>(
           config.max_model_len, static_cast<int64_t>(config.num_blocks - 1) * config.block_size + 1))),
       uid_(next_scheduler_uid()),
-      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching),
+      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window),
       pool_(std::make_shared<RequestOutputPool>()) {}
 
 void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
@@ -91,6 +91,7 @@ bool Scheduler::schedule_prefills(SchedulerOutput &out) {
     int remaining = seq->num_uncomputed();
     if (remaining <= 1 || seq->done_by_length(max_seq_len_)) continue;  // decode-ready
     int chunk = std::min(remaining, budget);
+    blocks_.free_outside_window(*seq, seq->num_computed);
     if (!blocks_.allocate_up_to(*seq, seq->num_computed + chunk)) continue;
     add_to_batch(out, seq, chunk);
     budget -= chunk;
@@ -132,6 +133,7 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
       continue;
     }
     int chunk = std::min(total - cached, budget);
+    blocks_.free_outside_window(*seq, cached);  // a long cached prefix: only its window stays
     if (blocks_.blocks_needed(*seq, cached + chunk) > blocks_.num_free_blocks()) {
       blocks_.free_sequence(*seq);
       break;
@@ -166,6 +168,7 @@ void Scheduler::schedule_decodes(SchedulerOutput &out) {
         !can_feed_inflight(*seq))
       continue;
     bool scheduled = true;
+    blocks_.free_outside_window(*seq, seq->num_computed);
     int k = usable_drafts(*seq, budget);
     if (k > 0 && !blocks_.allocate_up_to(*seq, seq->num_computed + 1 + k)) k = 0;
     while (!blocks_.allocate_up_to(*seq, seq->num_computed + 1 + k)) {

@@ -25,6 +25,7 @@ struct SchedulerConfig {
   int max_model_len = 2048;
   int vocab_size = 32000;
   bool enable_prefix_caching = true;
+  int sliding_window = 0;  // every layer's sliding window: blocks that leave it are freed (0: none)
 };
 
 // One step's batch: the selected sequences plus the flat arrays the worker feeds the

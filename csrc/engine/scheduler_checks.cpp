@@ -16,10 +16,10 @@ constexpr int64_t kMaxCachePositions = int64_t{1} << 28;
 
 const SchedulerConfig &checked(const SchedulerConfig &c) {
   if (c.block_size <= 0 || c.num_blocks < 2 || c.max_num_seqs < 1 || c.max_num_batched_tokens < 1 ||
-      c.max_model_len < 2 || c.vocab_size < 1)
+      c.max_model_len < 2 || c.vocab_size < 1 || c.sliding_window < 0)
     throw std::invalid_argument(
         "SchedulerConfig: block_size, max_num_seqs, max_num_batched_tokens and vocab_size must be "
-        "positive, num_blocks >= 2 (block 0 is reserved) and max_model_len >= 2");
+        "positive, num_blocks >= 2 (block 0 is reserved), max_model_len >= 2 and sliding_window >= 0");
   if (static_cast<int64_t>(c.num_blocks) * c.block_size > kMaxCachePositions)
     throw std::invalid_argument("SchedulerConfig: num_blocks * block_size = " +
                                 std::to_string(static_cast<int64_t>(c.num_blocks) * c.block_size) +

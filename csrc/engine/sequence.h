@@ -99,7 +99,8 @@ class Sequence {
   bool draft_admitted = false;  // has been a draft candidate once: its start in the back-off is set
   int draft_failed_probes = 0;  // pauses in a row: each doubles the next one
 
-  std::vector<int32_t> block_table;
+  std::vector<int32_t> block_table;  // a block freed out of a sliding window: BlockManager::kDummyBlock
+  int num_window_freed = 0;     // leading blocks given back as they left every layer's sliding window
   int num_hashed_blocks = 0;    // leading full blocks already keyed in the prefix cache
   uint64_t last_block_hash = 0;
 };

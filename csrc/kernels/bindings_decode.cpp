@@ -42,7 +42,7 @@ class DecodeStack {
   // Each projection is (weight, format, bias): format "f32" with weight [out, in] float32, or
   // a packed format with weight [out, bytes per row] uint8; bias [out] or None.
   void add_layer(const py::tuple &qkv, const py::tuple &o, const py::tuple &gate_up, const py::tuple &down,
-                 const F32 &input_norm, const F32 &post_norm, float scale) {
+                 const F32 &input_norm, const F32 &post_norm, float scale, int window) {
     const DecodeShape &s = shape_;
     const int q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
     DecodeLayer L;
@@ -56,6 +56,8 @@ class DecodeStack {
     L.input_norm = input_norm.data();
     L.post_norm = post_norm.data();
     L.scale = scale;
+    need(window >= 0, "window must be >= 0 (0: no sliding window)");
+    L.window = window;
     keep_.push_back(input_norm);
     keep_.push_back(post_norm);
     layers_.push_back(L);
@@ -181,7 +183,8 @@ void bind_decode(py::module_ &m) {
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
            py::arg("final_norm").noconvert(), py::arg("final_eps"))
       .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("input_norm").noconvert(), py::arg("post_norm").noconvert(), py::arg("scale"))
+           py::arg("input_norm").noconvert(), py::arg("post_norm").noconvert(), py::arg("scale"),
+           py::arg("window") = 0)
       .def("set_caches", &DecodeStack::set_caches, py::arg("k_caches"), py::arg("v_caches"))
       .def("run", &DecodeStack::run, py::arg("embeddings").noconvert(), py::arg("cos").noconvert(),
            py::arg("sin").noconvert(), py::arg("slots").noconvert(), py::arg("block_tables").noconvert(),

@@ -29,6 +29,7 @@ struct DecodeLayer {
   const float *input_norm = nullptr, *post_norm = nullptr;
   void *k_cache = nullptr, *v_cache = nullptr;  // [num_blocks, block_size, kv_heads, head_dim] of kv_dtype
   float scale = 1.f;                              // attention scale
+  int window = 0;                                 // sliding window of its attention (0: none)
 };
 
 struct DecodeShape {

@@ -100,6 +100,7 @@ struct QueryChunk {
   size_t q_stride;      // floats between queries: num_heads * head_dim
   const int32_t *lens;  // the queries' context lengths
   int count;
+  int window;           // sliding window (0: none): query j reads [window_start(lens[j]), lens[j])
   int heads, group;     // query heads of the unit; query head h reads KV head h / group of it
 };
 
@@ -114,17 +115,17 @@ void softmax(float *sc, int n) {
 
 // Portable path, any head size: one query head over its KV head's positions.
 template <class T>
-void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T> &v, int seq_len, int dim,
-                        float scale, float *scores, float *out) {
-  for (int t = 0; t < seq_len; ++t) {
+void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T> &v, int first, int seq_len,
+                        int dim, float scale, float *scores, float *out) {
+  for (int t = first; t < seq_len; ++t) {
     const T *kt = k.at(t);
     float sum = 0.f;
     for (int i = 0; i < dim; ++i) sum += q[i] * widen(kt[i]);
     scores[t] = sum * scale;
   }
-  softmax(scores, seq_len);
+  softmax(scores + first, seq_len - first);
   std::fill(out, out + dim, 0.f);
-  for (int t = 0; t < seq_len; ++t) {
+  for (int t = first; t < seq_len; ++t) {
     const T *vt = v.at(t);
     for (int i = 0; i < dim; ++i) out[i] += scores[t] * widen(vt[i]);
   }
@@ -199,28 +200,39 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     return QueryHeads{c.q + j * c.q_stride, scores_of(j, 0) + t0, c.out + j * c.q_stride, static_cast<size_t>(longest),
                       c.heads, c.group};
   };
+  const auto first_of = [&](int j) { return window_start(c.lens[j], c.window); };
+  int lowest = first_of(0);
+  for (int j = 1; j < c.count; ++j) lowest = std::min(lowest, first_of(j));
+  const int begin = lowest / k.block_size * k.block_size;  // the block holding the first position read
   const int width = c.heads / c.group * D;  // elements of one position's K (or V) in this unit
-  for (int t0 = 0; t0 < longest; t0 += k.block_size) {
+  // Query j's share of the block [t0, t0 + block_size): positions [lo, lo + n), n <= 0 for none.
+  const auto share = [&](int j, int t0, int &lo) {
+    lo = std::max(t0, first_of(j));
+    return std::min(t0 + k.block_size, static_cast<int>(c.lens[j])) - lo;
+  };
+  for (int t0 = begin; t0 < longest; t0 += k.block_size) {
     const T *kt = k.at(t0);
     const int ahead = t0 + k.block_size;
     if (ahead < longest) prefetch_rows(k.at(ahead), k.row, width, std::min(k.block_size, longest - ahead));
-    else prefetch_rows(v.at(0), v.row, width, std::min(v.block_size, longest));
+    else prefetch_rows(v.at(begin), v.row, width, std::min(v.block_size, longest - begin));
     for (int j = 0; j < c.count; ++j) {
-      const int n = std::min(k.block_size, c.lens[j] - t0);
-      if (n > 0) Heads::template block_scores<D, T>(heads_of(j, t0), kt, k.row, n, scale);
+      int lo;
+      const int n = share(j, t0, lo);
+      if (n > 0) Heads::template block_scores<D, T>(heads_of(j, lo), kt + (lo - t0) * k.row, k.row, n, scale);
     }
   }
   for (int j = 0; j < c.count; ++j) {
-    for (int h = 0; h < c.heads; ++h) softmax_avx2(scores_of(j, h), c.lens[j]);
+    for (int h = 0; h < c.heads; ++h) softmax_avx2(scores_of(j, h) + first_of(j), c.lens[j] - first_of(j));
     std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + c.heads * D, 0.f);
   }
-  for (int t0 = 0; t0 < longest; t0 += v.block_size) {
+  for (int t0 = begin; t0 < longest; t0 += v.block_size) {
     const T *vt = v.at(t0);
     const int ahead = t0 + v.block_size;
     if (ahead < longest) prefetch_rows(v.at(ahead), v.row, width, std::min(v.block_size, longest - ahead));
     for (int j = 0; j < c.count; ++j) {
-      const int n = std::min(v.block_size, c.lens[j] - t0);
-      if (n > 0) Heads::template block_values<D, T>(heads_of(j, t0), vt, v.row, n);
+      int lo;
+      const int n = share(j, t0, lo);
+      if (n > 0) Heads::template block_values<D, T>(heads_of(j, lo), vt + (lo - t0) * v.row, v.row, n);
     }
   }
 }
@@ -270,7 +282,7 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
     PagedRows<T> k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
     const size_t first = i * stride + static_cast<size_t>(g) * group * D;
-    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, kv_per * group, group};
+    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, s.window, kv_per * group, group};
     scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * chunk.heads * sp.count);
     if (fast) {
       fast(chunk, k, v, scale, scores.data());
@@ -281,7 +293,8 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
         PagedRows<T> kh = k, vh = v;
         kh.cache += h / group * D;
         vh.cache += h / group * D;
-        attend_head_scalar(chunk.q + j * stride + h * D, kh, vh, lens[j], s.head_dim, scale, scores.data(),
+        attend_head_scalar(chunk.q + j * stride + h * D, kh, vh, window_start(lens[j], s.window), lens[j],
+                           s.head_dim, scale, scores.data(),
                            chunk.out + j * stride + h * D);
       }
   }

@@ -32,13 +32,20 @@ struct PagedAttentionShape {
   int block_size;
   int max_blocks;    // columns of the block table
   int num_blocks;    // blocks in the cache, for bounds checks
+  int window = 0;    // sliding window: a query sees only its last `window` positions (0: all)
 };
+
+// The first position a query with `len` positions of context sees under `window` (0: none):
+// transformers' sliding window, where key k is visible to query q when q - k < window.
+inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
 
 // q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] of element type `dtype`;
 // block_tables [S, max_blocks];
 // query_rows [T]: the block-table row of each query (nullptr: query t uses row t, decode);
 // context_lens [T]: positions query t attends to, its own included (causal: a prompt's
-// query at position p has p + 1), all already stored in the cache; out [T, H, D].
+// query at position p has p + 1), all already stored in the cache; out [T, H, D]. With
+// shape.window set, query t reads only its last `window` positions: the blocks before them
+// are never read (a sliding-window cache may have freed them).
 // Split across up to `threads` threads of the shared pool into ranges of about equal
 // context (one range when the batch is too small to pay); each query's result is the same
 // whatever the split and whatever other queries the call holds.

@@ -84,11 +84,12 @@ class LLMEngine:
         cache_dtype = kv_cache_dtype_for(config, self.hf_config)
         num_blocks = num_kv_blocks_for(config, loaded, cache_dtype, self.max_model_len, draft_per_block)
         check_kv_capacity(config, loaded, cache_dtype, num_blocks, self.max_model_len, draft_per_block)
+        self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching))
-        self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
+            vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self.worker.runner.free_window))
         self.requests: dict[str, RequestState] = {}
         self.speculator = None if spec is None else self._build_speculator(spec, loaded)
         # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.

@@ -11,6 +11,11 @@ query row per token, all sequences in one call. Elsewhere (CUDA, other dtypes) d
 one gather of every sequence's blocks and one SDPA call per layer, the padding masked by
 seq_lens; longer prefills loop over sequences (few, long) with SDPA, reading earlier context
 from the cache when a sequence has some (chunked prefill, prefix caching).
+
+A layer with a sliding window (Mistral, Gemma 3's local layers) attends each query over its
+last `window` positions only, as transformers' sliding-window mask does; every path masks
+(or, in the kernel, skips) the positions before them, so blocks that fell out of the window
+may hold anything (a freed block's table entry is the dummy block 0).
 """
 
 from dataclasses import dataclass, field
@@ -67,8 +72,9 @@ class Attention(nn.Module):
     """Writes this step's K/V into the cache, then attends q over the cached context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 context: ForwardContext):
+                 context: ForwardContext, window: int = 0):
         super().__init__()
+        self.window = window  # sliding window (0: the whole context)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -86,7 +92,7 @@ class Attention(nn.Module):
         if md.is_prefill:
             out = self._prefill(q, k, v, md)
         else:
-            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale)
+            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale, self.window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,19 +101,28 @@ class Attention(nn.Module):
             or cpu_threads.batch_invariant()
         if _use_cpu_kernel(q, self.k_cache) and kernel:
             rows, lens = prefill_queries(md)
-            return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale)
+            return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale,
+                                       self.window)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
             end = start + qlen
             if qlen == slen:  # no cached context: attend over the fresh K/V directly
                 out[start:end] = _causal_attention(q[start:end], k[start:end], v[start:end],
-                                                   self.scale)
+                                                   self.scale, self.window)
             else:
                 keys, values = _gather_context(self.k_cache, self.v_cache, md.block_tables[i], slen)
-                out[start:end] = _attention_with_context(q[start:end], keys, values, self.scale)
+                out[start:end] = _attention_with_context(q[start:end], keys, values, self.scale, self.window)
             start = end
         return out
+
+
+def freeable_window(model: nn.Module) -> int:
+    """The window past which a sequence's blocks may be freed: the widest sliding window when
+    every attention layer of `model` has one, else 0 (a layer that sees the whole context, or
+    a model whose attention is not this module's, keeps every block)."""
+    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
+    return max(windows) if windows and all(windows) else 0
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -118,10 +133,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int = 0) -> torch.Tensor:
     # [L, H, D] -> [1, H, L, D]: SDPA wants heads in front, and a batch dimension: on CPU,
     # 3-D inputs take its math fallback (materialized scores, ~5x slower at 2,000 tokens than
     # the flash kernel that 4-D inputs get).
+    if window and q.shape[0] > window:
+        return _attention_with_context(q, k, v, scale, window)
     out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
                                          is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
@@ -143,41 +160,47 @@ def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
 
 
 def _attention_with_context(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """Causal attention of the last q.shape[0] positions over keys of all seq_len positions."""
+                            scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions over keys of all seq_len positions
+    (with a window: over the last `window` positions up to each query)."""
     qlen, seq_len = q.shape[0], keys.shape[0]
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache (kv_cache_dtype) under fp32 compute
     # Query i sits at absolute position seq_len - qlen + i and sees keys at positions <= it.
     q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window:
+        mask &= k_pos > q_pos[:, None] - window
     out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(keys), _heads_first(values),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
-def _decode_layout(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_layout(md: AttentionMetadata, block_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat block ids to gather [S * nb] and the key padding mask [S, 1, 1, nb * block_size];
-    the same for every layer of a step, so it is built once and kept on the metadata."""
-    key = ("decode_layout", block_size)
+    the same for every layer of a step with this window, so it is built once and kept on the metadata."""
+    key = ("decode_layout", block_size, window)
     if key not in md.derived:
         num_blocks = min(-(-md.max_seq_len // block_size), md.block_tables.shape[1])
         blocks = md.block_tables[:, :num_blocks].reshape(-1).long()
         positions = torch.arange(num_blocks * block_size, device=blocks.device)
         mask = positions[None, :] < md.seq_lens[:, None]
+        if window:
+            mask &= positions[None, :] >= md.seq_lens[:, None] - window
         md.derived[key] = (blocks, mask[:, None, None, :])
     return md.derived[key]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     md: AttentionMetadata, scale: float) -> torch.Tensor:
+                     md: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs != md.block_tables.shape[0]:
         raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
                          f"for {md.block_tables.shape[0]} sequences")
     if _use_cpu_kernel(q, k_cache):
-        return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale)
-    return _gathered_decode_attention(q, k_cache, v_cache, md, scale)
+        return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale, window)
+    return _gathered_decode_attention(q, k_cache, v_cache, md, scale, window)
 
 
 def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -191,13 +214,15 @@ def cache_array(cache: torch.Tensor) -> np.ndarray:
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float) -> torch.Tensor:
-    """The C++ kernel: each query row attends over its own context, read in place through
-    the block tables (no gathered copy, no per-sequence SDPA setup), on torch's threads."""
+                        context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float,
+                        window: int = 0) -> torch.Tensor:
+    """The C++ kernel: each query row attends over its own context (its last `window`
+    positions, when set), read in place through the block tables (no gathered copy, no
+    per-sequence SDPA setup), on torch's threads."""
     out = torch.empty_like(q)
     _C.paged_attention(q.contiguous().numpy(), cache_array(k_cache), cache_array(v_cache), block_tables.numpy(),
                        context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
-                       query_rows)
+                       query_rows, window)
     return out
 
 
@@ -215,12 +240,12 @@ def prefill_queries(md: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               md: AttentionMetadata, scale: float) -> torch.Tensor:
+                               md: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """The plain-torch decode path (CUDA, and CPU in other dtypes): gather, then SDPA."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    blocks, mask = _decode_layout(md, k_cache.shape[1])
+    blocks, mask = _decode_layout(md, k_cache.shape[1], window)
     # index_select copies whole blocks (several times faster than advanced indexing on
     # CPU); the transpose to [S, Hkv, L, D] stays a view, SDPA reads it strided.
     keys = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_dim).to(q.dtype)

@@ -57,9 +57,16 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has a norm before and after each sublayer: llama.cpp's ffn_norm is the one before
+# the feed-forward block there.
+_ARCH_LAYER_NAMES = {"gemma3": {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                                "post_attention_norm": "post_attention_layernorm",
+                                "post_ffw_norm": "post_feedforward_layernorm"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", *MOE_GGUF_ARCHS)
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", *MOE_GGUF_ARCHS)
+# The causal-LM class of a config whose class name does not give it.
+_CAUSAL_LM = {"gemma3_text": "Gemma3ForCausalLM"}
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +140,8 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
-    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    config.architectures = [_CAUSAL_LM.get(config.model_type,
+                                           f"{type(config).__name__.removesuffix('Config')}ForCausalLM")]
     config.dtype = "float32"
     config.save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
@@ -201,11 +209,13 @@ def gguf_tensors(reader, arch: str, config, keep: Iterable[str]) -> Iterator[tup
         else:
             array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         pieces = moe_tensors(t.name, array, mixtral=config.model_type == "mixtral") if moe_model else None
-        for name, piece in pieces if pieces is not None else [(_hf_name(t.name), array)]:
+        for name, piece in pieces if pieces is not None else [(_hf_name(t.name, arch), array)]:
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # llama.cpp reorders q/k rows for its interleaved RoPE; undo that for HF layout.
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
                 piece = _unpermute_rows(piece, heads)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                piece = piece - 1.0  # llama.cpp stores Gemma's (1 + weight); the checkpoint holds weight
             piece = np.ascontiguousarray(piece)
             yield name, (t.tensor_type.name, piece, int(t.shape[0])) if packed else torch.from_numpy(piece)
 
@@ -218,13 +228,14 @@ def gguf_architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     base, _, suffix = gguf_name.rpartition(".")  # suffix: weight or bias
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart we know")
 
 

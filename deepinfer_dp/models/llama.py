@@ -64,14 +64,23 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dty
 
 
 def max_context_len(config) -> int:
-    """Longest context this model computes exactly like transformers: its position limit,
-    and its sliding window where one is in use (we attend over the whole context)."""
-    limit = config.max_position_embeddings
+    """Longest context this model computes exactly like transformers: its position limit (a
+    sliding window limits what attention sees, not how long a sequence grows)."""
+    return config.max_position_embeddings
+
+
+def sliding_window(config, layer_index: int) -> int:
+    """The sliding window of layer `layer_index`'s attention, 0 for none, as transformers
+    reads it: `layer_types` where the config has them (Qwen2's max_window_layers, Gemma 3's
+    pattern), else every layer when the window is in use (Mistral, Mixtral)."""
     window = getattr(config, "sliding_window", None)
+    if not window:
+        return 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_index] == "sliding_attention" else 0
     uses_window = getattr(config, "use_sliding_window", config.model_type in ("mistral", "mixtral"))
-    if window and uses_window:
-        limit = min(limit, window)
-    return limit
+    return int(window) if uses_window else 0
 
 
 def attention_layout(config) -> tuple[bool, bool, str | None]:
@@ -81,12 +90,12 @@ def attention_layout(config) -> tuple[bool, bool, str | None]:
     if model_type in ("qwen2", "qwen2_moe"):  # q/k/v bias (qkv_bias in Qwen2-MoE), none on o_proj
         return bool(getattr(config, "qkv_bias", True)), False, None
     bias = bool(getattr(config, "attention_bias", False))
-    norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(model_type)
+    norm = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "full"}.get(model_type)
     return bias, bias, norm
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding, window: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads(config)
@@ -103,7 +112,7 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = getattr(config, "clip_qkv", None)  # OLMoE: clamp q/k/v after the norm
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.head_dim ** -0.5, context)
+                              self.head_dim ** -0.5, context, window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -138,7 +147,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding, layer_index: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, context, rotary_emb)
+        self.self_attn = LlamaAttention(config, context, rotary_emb, sliding_window(config, layer_index))
         self.mlp = self.make_mlp(config, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

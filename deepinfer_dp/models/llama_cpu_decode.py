@@ -75,7 +75,7 @@ class LlamaCpuDecode:
                                     first.mlp.intermediate_size, norm0.eps, model.norm._weight_view(), model.norm.eps)
         for layer, spec in zip(model.layers, specs, strict=True):
             stack.add_layer(*spec, layer.input_layernorm._weight_view(), layer.post_attention_layernorm._weight_view(),
-                            layer.self_attn.attn.scale)
+                            layer.self_attn.attn.scale, layer.self_attn.attn.window)
         return cls(model, stack, max_rows)
 
     def applies(self, input_ids: torch.Tensor, md: attention.AttentionMetadata) -> bool:

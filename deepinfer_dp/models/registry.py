@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
     "mixtral": ("moe_models", "MoeForCausalLM"),
     "qwen2_moe": ("moe_models", "MoeForCausalLM"),
     "qwen3_moe": ("moe_models", "MoeForCausalLM"),

