@@ -89,15 +89,18 @@ def _add_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, fmt: str) -> Non
 
 
 def write_dense_gguf(hf_dir: str | Path, out: str | Path, formats: dict[str, str] | None = None,
-                     default: str = "F32") -> Path:
+                     default: str = "F32", sampling: dict[str, float] | None = None) -> Path:
     """A GGUF file of the tiny dense model in `hf_dir`: each matrix whose name contains a key
-    of `formats` in that format, the others in `default`; vectors (norms, biases) in F32."""
+    of `formats` in that format, the others in `default`; vectors (norms, biases) in F32;
+    `sampling` as general.sampling.<key> metadata (temp, top_p, top_k, ...)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = AutoConfig.from_pretrained(hf_dir)
     arch = GGUF_ARCH[config.model_type]
     w = gguf.GGUFWriter(out, arch)
     add_dense_config(w, config)
     add_tokenizer(w, hf_dir)
+    for key, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{key}")(value)
     for name, t in load_file(hf_dir / "model.safetensors").items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_cpp_rows(t, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)

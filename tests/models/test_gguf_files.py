@@ -1,6 +1,7 @@
 """A .gguf model serves with the tokenizer and chat template of its own metadata, as vLLM does,
 or with the one `tokenizer` names (vLLM's --tokenizer): a directory, a repo id in the local
-Hugging Face cache, or another .gguf file."""
+Hugging Face cache, or another .gguf file; and with the sampling defaults its metadata
+recommends (general.sampling.*), as the default model gets its model card's."""
 
 from __future__ import annotations
 
@@ -77,3 +78,11 @@ def test_tokenizer_from_the_hub_cache(files, tmp_path, monkeypatch):
 def test_missing_tokenizer_is_named(files, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-tokenizer"):
         LLM(str(files["gguf"]), tokenizer=str(tmp_path / "no-such-tokenizer"), num_kv_blocks=64)
+
+
+def test_gguf_sampling_metadata_is_the_models_defaults(files, tmp_path):
+    sampling = {"temp": 0.5, "top_p": 0.75, "top_k": 20}
+    path = write_dense_gguf(files["dir"], tmp_path / "sampling.gguf", sampling=sampling)
+    defaults = LLM(str(path), num_kv_blocks=64).sampling_defaults
+    assert defaults == {"temperature": 0.5, "top_p": 0.75, "top_k": 20}
+    assert LLM(str(files["gguf"]), num_kv_blocks=64).sampling_defaults == {}  # a file without any: neutral
