@@ -74,6 +74,14 @@ def test_hf_home_holds_the_cache(tmp_path, monkeypatch, tiny):
         "snapshots" / COMMIT_A
 
 
+def test_a_local_path_wins_over_the_cache(hub, tiny, tmp_path, monkeypatch):
+    """As in vLLM: a folder spelled like the repo id, where the model argument points, is loaded."""
+    (tmp_path / "local" / REPO).parent.mkdir(parents=True)
+    (tmp_path / "local" / REPO).symlink_to(tiny["b"], target_is_directory=True)
+    monkeypatch.chdir(tmp_path / "local")
+    assert resolve_model_dir(REPO).resolve() == tiny["b"].resolve()
+
+
 def test_missing_model_names_the_cache_and_the_fetch_command(hub):
     with pytest.raises(FileNotFoundError) as e:
         LLM("tiny-org/not-downloaded", **OPTIONS)
