@@ -43,7 +43,13 @@ def _internal(default: Any, help: str, **constraints) -> Any:
 @dataclass(config=ConfigDict(extra="forbid", strict=True))
 class EngineConfig:
     model: Annotated[str | None, BeforeValidator(_path_as_str)] = Field(
-        None, description="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+        None, description="Hugging Face directory, .gguf file or Hugging Face repo id (org/name, from the local "
+                           "Hugging Face cache, never downloaded) (default: SmolLM2-135M-Instruct)")
+    revision: str | None = Field(None, description="the revision of a repo id model: a branch, tag or commit "
+                                                   "hash in the local Hugging Face cache (default: main)")
+    tokenizer: Annotated[str | None, BeforeValidator(_path_as_str)] = Field(
+        None, description="where the tokenizer comes from, if not the model: a Hugging Face directory, repo id "
+                          "or .gguf file (its metadata's tokenizer and chat template)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     device: Annotated[str, AfterValidator(_device_name)] = Field(

@@ -136,7 +136,7 @@ def test_engine_options_are_checked_in_python_too():
 
     with pytest.raises(ValueError, match=r"^invalid engine option\(s\): block_size: must be a power of two"):
         EngineConfig.from_kwargs(block_size=12)
-    with pytest.raises(ValueError, match=r"bogus: unknown key; known: model, dtype"):
+    with pytest.raises(ValueError, match=r"bogus: unknown key; known: model, revision, tokenizer, dtype"):
         EngineConfig.from_kwargs(bogus=1)
     with pytest.raises(ValueError, match=r"dp_rank: must be in \[0, dp_size=2\)"):
         EngineConfig.from_kwargs(dp_size=2, dp_rank=2)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from transformers import AutoTokenizer
-
 from deepinfer_dp.cluster.data_plane import ClusterKey
 from deepinfer_dp.cluster.ray_launcher import STOP_TIMEOUT_S, RayDeployment
 from deepinfer_dp.cluster.router_client import RouterClient
@@ -21,6 +19,7 @@ from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.models.loader import resolve_model_dir
+from deepinfer_dp.models.tokenizer import load_tokenizer
 
 
 class DPDeployment:
@@ -38,7 +37,7 @@ class DPDeployment:
         self._router: RouterClient | None = None
         if client_name is not None:
             try:
-                self._router = connect(self.frontend, self.infos[0], self.config.model, client_name,
+                self._router = connect(self.frontend, self.infos[0], self.config, client_name,
                                        settings.router.data_plane_host, self.key)
             except BaseException:
                 self._cluster.shutdown()
@@ -101,12 +100,12 @@ def per_rank_threads(config: EngineConfig) -> EngineConfig:
     return config
 
 
-def connect(frontend: str, rank_info: dict, model: str | None, model_name: str,
+def connect(frontend: str, rank_info: dict, config: EngineConfig, model_name: str,
             host: str = "127.0.0.1", key: ClusterKey | None = None) -> RouterClient:
     """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
-    server detokenizes itself), the ranks' limits (`rank_info`) for validation and the data
-    plane's key (RayDeployment.key)."""
+    server detokenizes itself; `config` names the model, its revision and the tokenizer), the
+    ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key)."""
     info = rank_info
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+    tokenizer = load_tokenizer(resolve_model_dir(config.model, config.revision), config.tokenizer)
     processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
     return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
@@ -36,6 +36,7 @@ from deepinfer_dp.engine.sampling_defaults import checked_sampling_defaults
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import LoadedModel, load_model, max_context_len
+from deepinfer_dp.models.tokenizer import load_tokenizer
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode import speculator
 from deepinfer_dp.spec_decode.proposer import DraftTarget, ProposerContext
@@ -69,10 +70,10 @@ class LLMEngine:
         expert_shard = (config.dp_rank, config.dp_size) if config.enable_expert_parallel else (0, 1)
         spec = config.speculative_config
         loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights, expert_shard,
-                            mtp=spec is not None and spec.method == "mtp")
+                            mtp=spec is not None and spec.method == "mtp", revision=config.revision)
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+        self.tokenizer = load_tokenizer(loaded.tokenizer_dir, config.tokenizer)
         self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size

@@ -7,9 +7,10 @@ EngineConfig.generation_config says where they come from:
   - a folder path: the generation_config.json in that folder.
 Only fields the file sets are taken (vLLM's `get_diff_sampling_param`): temperature, top_p,
 top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens. A file that sets none of
-them, or no file at all, means neutral defaults. The default model (SmolLM2-135M-Instruct as
-a GGUF file) carries none in its metadata; the converter writes its model card's settings
-(temperature 0.2, top_p 0.9) into the converted directory (models/default_model.py).
+them, or no file at all, means neutral defaults. A GGUF file's converted directory holds the
+file's own general.sampling.* values; the default model (SmolLM2-135M-Instruct as a GGUF
+file) carries none in its metadata, so the converter writes its model card's settings
+(temperature 0.2, top_p 0.9) instead (models/default_model.py).
 """
 
 from __future__ import annotations

@@ -48,6 +48,11 @@ GGUF_PACKED = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "
 # converted directory's generation_config.json, they are what `generation_config: auto` reads, so a
 # request that sets none gets an answer instead of temperature 1.0's drift or greedy's loops.
 DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# A GGUF file's own recommended sampling (general.sampling.<key>, which llama.cpp's converter
+# copies from the model's generation_config.json) -> generation_config.json key. A file that
+# has them gets them in its converted directory, as the default model gets its card's.
+GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
 
 # llama.cpp tensor name (inside blk.N.) -> Hugging Face module name.
 _LAYER_NAMES = {
@@ -137,6 +142,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if is_moe_gguf(reader, arch):
         config = moe_config(reader, arch, config)
+    _set_head_dim(reader, arch, config)
     tensors = _read_tensors(reader, arch, config)
     if "lm_head.weight" not in tensors:
         config.tie_word_embeddings = True
@@ -145,8 +151,10 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     config.dtype = "float32"
     config.save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
-    if gguf_path.name == DEFAULT_MODEL_FILE:
-        generation.update(**DEFAULT_MODEL_SAMPLING)
+    sampling = gguf_sampling(reader)
+    if not sampling and gguf_path.name == DEFAULT_MODEL_FILE:
+        sampling = DEFAULT_MODEL_SAMPLING
+    generation.update(**sampling)
     generation.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
@@ -182,6 +190,23 @@ def _log_widened(reader, arch: str, gguf_path: Path) -> None:
 
 def _kept_packed(t, keep, moe_model: bool) -> bool:
     return not moe_model and t.tensor_type.name in keep and len(t.shape) == 2
+
+
+def gguf_sampling(reader) -> dict[str, float | int | bool]:
+    """The generation_config.json sampling fields the file's general.sampling.* metadata sets."""
+    values = {hf: reader.fields[f"general.sampling.{key}"].contents() for key, hf in GGUF_SAMPLING.items()
+              if f"general.sampling.{key}" in reader.fields}
+    if values:
+        values["do_sample"] = values.get("temperature", 1.0) > 0
+    return values
+
+
+def _set_head_dim(reader, arch: str, config) -> None:
+    """The head size the file states: transformers' GGUF config reader skips attention.key_length,
+    so a Qwen3 whose head_dim is not hidden_size / heads would get its config class's default."""
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None:
+        config.head_dim = int(field.contents())
 
 
 def _read_tensors(reader, arch: str, config) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
+from deepinfer_dp.models.hub import cached_snapshot, is_repo_id, snapshot_model
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
 from deepinfer_dp.models.registry import attach_nextn_layer, check_supported, model_class
 from deepinfer_dp.models.weights import iterate_weights, safetensors_files
@@ -33,11 +34,14 @@ class LoadedModel:
     mtp: nn.Module | None = None  # the next-n (MTP) layer, when asked for (load_model(mtp=True))
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """The Hugging Face directory to load `model` from, converting a GGUF file if needed."""
+def resolve_model_dir(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """The Hugging Face directory to load `model` from (a directory, a .gguf file, or a
+    Hugging Face repo id in the local hub cache at `revision`), converting a GGUF file if needed."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and is_repo_id(str(model)):
+        path = snapshot_model(cached_snapshot(str(model), revision), str(model))
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_file():
@@ -71,13 +75,15 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
-               packed: bool = True, expert_shard: tuple[int, int] = (0, 1), mtp: bool = False) -> LoadedModel:
-    """Loads `model` (HF directory, .gguf file, or None for the default model). With `packed`,
+               packed: bool = True, expert_shard: tuple[int, int] = (0, 1), mtp: bool = False,
+               revision: str | None = None) -> LoadedModel:
+    """Loads `model` (HF directory, .gguf file, a repo id in the local Hugging Face cache at
+    `revision`, or None for the default model). With `packed`,
     a dense CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format; a
     mixture-of-experts model loads only the routed experts of `expert_shard` (EP rank, EP size)
     and is always widened (the experts kernel reads fp32). With `mtp`, a DeepSeek-V3's next-n
     layer too (LoadedModel.mtp), for speculative decoding."""
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_dir(model, revision)
     config = load_hf_config(model_dir)
     device = torch.device(device)
     cls = model_class(config)

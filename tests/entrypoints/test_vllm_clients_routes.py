@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from hub_cache import add_snapshot
 from server_utils import ENGINE_OPTIONS, MODEL_NAME, served
 
 import deepinfer_dp
@@ -92,12 +94,11 @@ def test_several_served_model_names(model_dir):
 
 
 def test_the_model_argument_as_given_is_its_name(model_dir, tmp_path, monkeypatch):
-    """A model given as a Hugging Face repo id (here a local folder of that name) is served
+    """A model given as a Hugging Face repo id (found in the local Hugging Face cache) is served
     under that id, as vLLM does; no --served-model-name needed."""
     repo_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    (tmp_path / "HuggingFaceTB").mkdir()
-    (tmp_path / repo_id).symlink_to(model_dir, target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
+    add_snapshot(tmp_path / "hub", repo_id, Path(model_dir), "0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     names = served_names(None, repo_id)
     assert names == [repo_id]
     client = make_local_client(repo_id, names[0], **ENGINE_OPTIONS)

@@ -17,6 +17,7 @@ from moe_utils import PagedSequences, assert_close, check_batched_decode, oracle
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config  # noqa: E402
 
+from deepinfer_dp.engine.sampling_defaults import sampling_defaults  # noqa: E402
 from deepinfer_dp.models import (  # noqa: E402
     LoadedModel,
     allocate_kv_cache,
@@ -209,6 +210,8 @@ def test_default_model_cache_is_a_hf_directory():
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    # its GGUF metadata recommends no sampling: the model card's settings stand in
+    assert sampling_defaults("auto", cache_dir) == {"temperature": 0.2, "top_p": 0.9}
 
 
 def test_tiny_model_has_a_working_tokenizer(tiny_root):

@@ -57,7 +57,7 @@ def run_api_servers(deployment, served_model_name: list[str]) -> int:
 
     def spawn(i: int, ready) -> mp.Process:
         return ctx.Process(target=_api_server, name=f"api-server-{i}", args=(
-            sock, ready, cluster.frontend, cluster.infos[0], key, deployment.model, served_model_name,
+            sock, ready, cluster.frontend, cluster.infos[0], key, cluster.config, served_model_name,
             server.api_key, server.host, deployment.metrics.port if i == 0 else None, server.limits(),
             server.shutdown_grace_s))
     procs = [spawn(i, all_ready) for i in range(server.api_server_count)]
@@ -138,7 +138,7 @@ def _stop_all(procs: list, grace_s: float) -> None:
             proc.join()
 
 
-def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, model: str | None,
+def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, config,
                 name: list[str], api_key: str | None, host: str, metrics_port: int | None, limits,
                 shutdown_grace_s: float) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket.
@@ -152,7 +152,7 @@ def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, 
     from deepinfer_dp.cluster.deployment import connect
     from deepinfer_dp.entrypoints.openai.draining import exit_now
 
-    client = connect(frontend, rank_info, model, name[0], host_of(frontend), key)
+    client = connect(frontend, rank_info, config, name[0], host_of(frontend), key)
     try:
         if all_ready is not None:
             all_ready.wait(START_TIMEOUT_S)
