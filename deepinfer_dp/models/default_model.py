@@ -196,6 +196,8 @@ def gguf_sampling(reader) -> dict[str, float | int | bool]:
     """The generation_config.json sampling fields the file's general.sampling.* metadata sets."""
     values = {hf: reader.fields[f"general.sampling.{key}"].contents() for key, hf in GGUF_SAMPLING.items()
               if f"general.sampling.{key}" in reader.fields}
+    # float32 in the file: 0.6 reads back as 0.6000000238; float32 holds ~7 digits
+    values = {k: float(f"{v:.7g}") if isinstance(v, float) else v for k, v in values.items()}
     if values:
         values["do_sample"] = values.get("temperature", 1.0) > 0
     return values

@@ -42,6 +42,7 @@ def test_two_api_servers_share_a_port_and_the_router(tmp_path):
             return [r.choices[0].text for r in rs]
 
         assert asyncio.run(run()) == expected
+        assert httpx.get(url + "/v1/models").json()["data"][0]["root"] == model  # vLLM's card: the model argument
         text = httpx.get(url + "/metrics").text  # either process answers, with both processes' counts
         found = re.findall(r'^deepinfer:requests_total{model_name="tiny",status="length"} (\S+)$', text, re.M)
         assert [float(v) for v in found] == [len(PROMPTS)]

@@ -31,7 +31,8 @@ def test_serve_takes_a_repo_id_and_revision(tmp_path):
     proc, url = serve_command(REPO, "--revision", "v2", "--kv-cache-memory-gb", "0.02", env=env)
     try:
         oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        assert [(m.id, m.model_extra["max_model_len"]) for m in oai.models.list().data] == [(REPO, 256)]
+        cards = [(m.id, m.model_extra["root"], m.model_extra["max_model_len"]) for m in oai.models.list().data]
+        assert cards == [(REPO, REPO, 256)]
         done = oai.chat.completions.create(model=REPO, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert done.model == REPO and done.usage.completion_tokens == 3
     finally:

@@ -21,6 +21,7 @@ from deepinfer_dp.entrypoints.openai.launcher import (
     ServerThread,
     add_serve_args,
     make_local_client,
+    model_root,
     served_names,
 )
 
@@ -95,16 +96,20 @@ def test_several_served_model_names(model_dir):
 
 def test_the_model_argument_as_given_is_its_name(model_dir, tmp_path, monkeypatch):
     """A model given as a Hugging Face repo id (found in the local Hugging Face cache) is served
-    under that id, as vLLM does; no --served-model-name needed."""
+    under that id, as vLLM does; no --served-model-name needed. Its /v1/models cards name it
+    as their root, with or without served names."""
     repo_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
     add_snapshot(tmp_path / "hub", repo_id, Path(model_dir), "0" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     names = served_names(None, repo_id)
     assert names == [repo_id]
     client = make_local_client(repo_id, names[0], **ENGINE_OPTIONS)
-    with _serve(client, names) as url:
+    with _serve(client, names + ["alias"], model_root(repo_id)) as url:
         oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert oai.chat.completions.create(model=repo_id, messages=CHAT, max_tokens=2).model == repo_id
+        cards = [(m.id, m.model_extra["root"], m.model_extra["parent"]) for m in oai.models.list().data]
+        assert cards == [(repo_id, repo_id, None), ("alias", repo_id, None)]
+        assert oai.models.retrieve("alias").model_extra["root"] == repo_id
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -117,11 +122,12 @@ def test_served_model_name_flag(argv, names):
     deployment = load_config(args, model=args.model_path)
     assert served_names(deployment.server.served_model_name, deployment.model) == names
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in DEFAULT_MODEL_NAMES
+    assert model_root(deployment.model) == (deployment.model or "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @contextlib.contextmanager
-def _serve(client, names: list[str]):
-    server = ServerThread(client, names).start()
+def _serve(client, names: list[str], root: str | None = None):
+    server = ServerThread(client, names, model_root=root).start()
     try:
         yield server.url
     finally:

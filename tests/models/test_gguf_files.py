@@ -81,8 +81,8 @@ def test_missing_tokenizer_is_named(files, tmp_path):
 
 
 def test_gguf_sampling_metadata_is_the_models_defaults(files, tmp_path):
-    sampling = {"temp": 0.5, "top_p": 0.75, "top_k": 20}
+    sampling = {"temp": 0.6, "top_p": 0.95, "top_k": 20}  # stored as float32, read back as written
     path = write_dense_gguf(files["dir"], tmp_path / "sampling.gguf", sampling=sampling)
     defaults = LLM(str(path), num_kv_blocks=64).sampling_defaults
-    assert defaults == {"temperature": 0.5, "top_p": 0.75, "top_k": 20}
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert LLM(str(files["gguf"]), num_kv_blocks=64).sampling_defaults == {}  # a file without any: neutral

@@ -37,8 +37,9 @@ MAX_REPLACEMENTS = 5
 REPLACEMENT_WINDOW_S = 60.0
 
 
-def run_api_servers(deployment, served_model_name: list[str]) -> int:
-    """Serves until SIGINT/SIGTERM, replacing an API server that dies; returns the exit status."""
+def run_api_servers(deployment, served_model_name: list[str], model_root: str | None = None) -> int:
+    """Serves until SIGINT/SIGTERM, replacing an API server that dies; returns the exit status.
+    `model_root`: the model argument, the root of the /v1/models cards."""
     from deepinfer_dp.cluster.data_plane import CLIENT
     from deepinfer_dp.cluster.deployment import DPDeployment
 
@@ -57,7 +58,7 @@ def run_api_servers(deployment, served_model_name: list[str]) -> int:
 
     def spawn(i: int, ready) -> mp.Process:
         return ctx.Process(target=_api_server, name=f"api-server-{i}", args=(
-            sock, ready, cluster.frontend, cluster.infos[0], key, cluster.config, served_model_name,
+            sock, ready, cluster.frontend, cluster.infos[0], key, cluster.config, served_model_name, model_root,
             server.api_key, server.host, deployment.metrics.port if i == 0 else None, server.limits(),
             server.shutdown_grace_s))
     procs = [spawn(i, all_ready) for i in range(server.api_server_count)]
@@ -139,7 +140,7 @@ def _stop_all(procs: list, grace_s: float) -> None:
 
 
 def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, key, config,
-                name: list[str], api_key: str | None, host: str, metrics_port: int | None, limits,
+                name: list[str], root: str | None, api_key: str | None, host: str, metrics_port: int | None, limits,
                 shutdown_grace_s: float) -> None:
     """One API server process: a router client behind the OpenAI routes, on the shared socket.
     `key` (the data plane's client key, or None) comes through multiprocessing's pipe, not argv.
@@ -156,7 +157,7 @@ def _api_server(sock: socket.socket, all_ready, frontend: str, rank_info: dict, 
     try:
         if all_ready is not None:
             all_ready.wait(START_TIMEOUT_S)
-        code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock],
+        code = run_server(client, name, api_key, host, metrics_port=metrics_port, sockets=[sock], model_root=root,
                           limits=limits, shutdown_grace_s=shutdown_grace_s)
     finally:
         client.close()

@@ -41,8 +41,9 @@ class ServerThread:
 
     def __init__(self, client: EngineClient, served_model_name: str | list[str] | None = None,
                  api_key: str | None = None,
-                 host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None) -> None:
-        self.app = build_app(client, served_model_name, api_key, limits)
+                 host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None,
+                 model_root: str | None = None) -> None:
+        self.app = build_app(client, served_model_name, api_key, limits, model_root)
         self.server = uvicorn.Server(server_config(self.app, host, port, limits, "warning"))
         self.died = stop_when_the_engine_dies(client, self.server)
         self.host = host
@@ -87,6 +88,12 @@ DEFAULT_MODEL_NAMES = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Inst
 def default_model_name(model: str | None) -> str:
     """The model argument as given, as vLLM serves it (the default model's own name for None)."""
     return DEFAULT_MODEL_NAMES[0] if model is None else model
+
+
+def model_root(model: str | None) -> str:
+    """The model a /v1/models card names as its root: the model argument as given (the default
+    model's repo id for none)."""
+    return DEFAULT_MODEL_NAMES[1] if model is None else model
 
 
 def served_names(names: list[str] | None, model: str | None) -> list[str]:
@@ -141,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
     if deployment.server.api_server_count > 1:
-        raise SystemExit(run_api_servers(deployment, names))
+        raise SystemExit(run_api_servers(deployment, names, model_root(deployment.model)))
     if deployment.dp_size > 1:
         dp = make_dp_deployment(deployment.model, deployment.dp_size, names[0],
                                 dp_options=deployment.dp_settings(), **engine)
@@ -152,7 +159,8 @@ def run_serve(args: argparse.Namespace) -> None:
     server = deployment.server
     try:
         code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
-                          limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s)
+                          limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s,
+                          model_root=model_root(deployment.model))
     finally:
         stop()
     if code:

@@ -362,6 +362,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "deepinfer-dp"
+    root: str | None = None  # the model argument the served names stand for, as vLLM's card says
+    parent: str | None = None  # a LoRA adapter's base model in vLLM; never set here
     max_model_len: int | None = None
 
 

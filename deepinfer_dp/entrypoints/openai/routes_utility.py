@@ -99,7 +99,7 @@ def check_model(names: list[str], name: str | None) -> None:
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     ctx = _ctx(request)
     check_model(_names(request), model_id)
-    return ModelCard(id=model_id, max_model_len=ctx.client.max_model_len)
+    return ModelCard(id=model_id, root=request.app.state.model_root, max_model_len=ctx.client.max_model_len)
 
 
 @router.post("/tokenize", responses=_ERRORS)

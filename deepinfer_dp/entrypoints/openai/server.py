@@ -177,7 +177,10 @@ def _judged(rank: dict, stall_timeout_s: float) -> dict:
 
 
 def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
-              api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+              api_key: str | None = None, limits: ServerLimits | None = None,
+              model_root: str | None = None) -> FastAPI:
+    """The app serving `client` under `served_model_name` (one name or several; the first is
+    the one answers carry); `model_root`, the model argument, is each /v1/models card's root."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [client.model_name]
     model_name = names[0]  # the name answers carry, as vLLM's first served name
@@ -188,6 +191,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)
     app.state.ctx = ctx
     app.state.model_names = names
+    app.state.model_root = model_root
     _install_error_handlers(app, metrics)
     document_bodies(app, [CompletionRequest, ChatCompletionRequest])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
@@ -215,7 +219,8 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=client.max_model_len) for name in names])
+        return ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=client.max_model_len)
+                               for name in names])
 
     # Plain `def`: FastAPI runs these in its thread pool, so a router that asks the ranks
     # for their stats never blocks the event loop that streams tokens.
