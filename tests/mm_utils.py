@@ -1,0 +1,96 @@
+"""Tiny random vision-language models (Hugging Face directories with their processor) and
+test images, built offline for the multimodal tests."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from model_utils import build_tiny_tokenizer  # noqa: E402
+from PIL import Image  # noqa: E402
+from transformers import (  # noqa: E402
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+
+IMAGE_TOKEN = "<image>"
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def build_tiny_llava(path: str | os.PathLike, seed: int = 0, image_size: int = 56) -> Path:
+    """A LLaVA-1.5-shaped model: CLIP tower (patch 14: (image_size/14)^2 image tokens), MLP
+    projector, a 2-layer Llama; written with its LlavaProcessor, once."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=image_size, patch_size=14, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                         crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=LLAVA_CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    return path
+
+
+def make_image(seed: int, size: tuple[int, int] = (64, 48)) -> Image.Image:
+    """A deterministic RGB image of `size` (width, height)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class HFReference:
+    """transformers' model and processor of a checkpoint, for greedy reference tokens."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def greedy(self, prompt: str, images: list[Image.Image], max_tokens: int) -> list[int]:
+        inputs = self.processor(text=[prompt], images=images or None, return_tensors="pt")
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                      do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
