@@ -22,9 +22,11 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from deepinfer_dp.entrypoints.openai.serving_chat_images import image_prompt
 from deepinfer_dp.entrypoints.openai.serving_engine import (
     ChoiceEvent,
     Prepared,
+    PromptIds,
     ServingContext,
     bad_request,
     check_common,
@@ -99,10 +101,13 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     _check_fields(ctx, req)
     # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
-    messages = _messages(req)
-    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
+    mm = await image_prompt(ctx, req)
+    if mm is None:
+        messages = _messages(req)
+        ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
-        ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
+        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
+               if mm is None else PromptIds(await ctx.off_loop(_tokenize, ctx, mm.prompt)))
     except TemplateError as e:
         raise bad_request(str(e), "messages") from e
     stops = stop_strings(req)
@@ -114,8 +119,16 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     wanted = make_params(req, limit, logprobs, defaults, structured_outputs=constraint)
     names = {"prompt": "messages", "max_tokens": name, "structured_outputs": constraint_field(req)}
-    ids, params = check_request(ids, wanted, ctx.client, "messages", names)
-    return [ids], [params], stops
+    checked, params = check_request(ids, wanted, ctx.client, "messages", names)
+    if mm is not None:
+        mm.max_tokens_set = req.max_completion_tokens is not None or "max_tokens" in req.model_fields_set
+        ids[:] = checked
+        ids.mm = mm
+    return [ids if mm is not None else checked], [params], stops
+
+
+def _tokenize(ctx: ServingContext, text: str) -> list[int]:
+    return ctx.client.tokenizer(text).input_ids
 
 
 def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
