@@ -87,10 +87,10 @@ class HFReference:
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None  # exactly max_tokens, like ignore_eos
 
     def greedy(self, prompt: str, images: list[Image.Image], max_tokens: int) -> list[int]:
         inputs = self.processor(text=[prompt], images=images or None, return_tensors="pt")
         with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                      do_sample=False)
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
         return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -119,3 +119,19 @@ def test_too_many_images_and_text_model_are_refused(llm, model_dir):
             text_only.generate(mm("hello <image>", make_image(1)), GREEDY, use_tqdm=False)
     finally:
         text_only.shutdown()
+
+
+def test_preempted_image_requests_recompute_to_the_same_tokens(llava_dir, hf):
+    """A KV cache too small for the batch: sequences are preempted and recomputed, their
+    images' rows coming back from the encoder cache."""
+    tight = LLM(str(llava_dir), max_num_batched_tokens=CHUNK, max_model_len=128, num_kv_blocks=10,
+                decode_sequence=False)
+    try:
+        cases = [(f"USER: <image>\npicture number {i}? ASSISTANT:", [make_image(60 + i, (40 + 10 * i, 50))])
+                 for i in range(4)]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        ours = tokens(tight.generate([mm(t, imgs) for t, imgs in cases], params, use_tqdm=False))
+        assert tight.rank_stats()[0]["num_preemptions"] > 0
+        assert ours == [hf.greedy(t, imgs, 24) for t, imgs in cases]
+    finally:
+        tight.shutdown()
