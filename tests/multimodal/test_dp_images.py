@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -36,6 +37,7 @@ class _Slow(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_for_images_keeps_the_group_stepping(tmp_path_factory, tmp_path):
     model = build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny-llava")
     slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
