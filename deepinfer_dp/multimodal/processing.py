@@ -86,8 +86,11 @@ class ImagePromptProcessor:
             raise MediaError(self._blame(images, e)) from None
         ids = batch["input_ids"][0].tolist()
         placeholders = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        per_image = _split_inputs(self.family, batch, len(images))
-        counts = [_num_tokens(self.family, inputs, self.processor) for inputs in per_image]
+        if self.family == "idefics3":
+            per_image, counts = _idefics3_split(batch, ids, placeholders, self.processor, len(images))
+        else:
+            per_image = _split_inputs(self.family, batch, len(images))
+            counts = [_num_tokens(self.family, inputs, self.processor) for inputs in per_image]
         if sum(counts) != len(placeholders):
             raise MediaError(f"the prompt has {len(placeholders)} image placeholder tokens but its "
                              f"{len(images)} image(s) need {sum(counts)}: put one image placeholder in the "
@@ -123,3 +126,28 @@ def _num_tokens(family: str, inputs: dict[str, torch.Tensor], processor) -> int:
         n = (height // processor.patch_size) * (width // processor.patch_size) + processor.num_additional_image_tokens
         return n - 1 if processor.vision_feature_select_strategy == "default" else n
     raise ValueError(f"no placeholder count for model family {family!r}")
+
+
+def _idefics3_split(batch, ids: list[int], placeholders: np.ndarray, processor,
+                    num_images: int) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """Idefics3 splits an image into tiles plus a global view, whose `<global-img>` tag comes
+    last in the image's expansion: an image's placeholders end image_seq_len tokens after its
+    tag, and its tiles are that count over image_seq_len, in the order of pixel_values."""
+    if num_images == 0:
+        return [], []
+    tags = np.flatnonzero(np.asarray(ids) == processor.global_image_token_id)
+    if len(tags) != num_images:
+        raise MediaError(f"the prompt has {len(tags)} expanded images for {num_images} images: put one image "
+                         "placeholder in the prompt per image")
+    ends = np.searchsorted(placeholders, tags + processor.image_seq_len, side="right")
+    counts = np.diff(np.concatenate([[0], ends])).tolist()
+    pixels, mask = batch["pixel_values"][0], batch.get("pixel_attention_mask")
+    per_image, tile = [], 0
+    for n in counts:
+        tiles = n // processor.image_seq_len
+        inputs = {"pixel_values": pixels[tile:tile + tiles]}
+        if mask is not None:
+            inputs["pixel_attention_mask"] = mask[0][tile:tile + tiles]
+        per_image.append(inputs)
+        tile += tiles
+    return per_image, counts
