@@ -74,6 +74,12 @@ def test_data_and_file_urls_answer_transformers_tokens(setup):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(data_url(png_bytes(image))), timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected_text(hf, image)
+    # the usage counts the prompt as the model ran it: each image as its 16 placeholder tokens
+    text = hf.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)
+    expanded = len(hf.processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0])
+    assert r.json()["usage"]["prompt_tokens"] == expanded
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(f"file://{media / 'cat.png'}"), timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected_text(hf, make_image(41))

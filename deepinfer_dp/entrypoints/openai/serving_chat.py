@@ -147,7 +147,9 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
                    prompts: list[list[int]]) -> ChatCompletionResponse:
     texts, reasons, tokens = [""] * req.n, [None] * req.n, [0] * req.n
     logprobs = [ChatLogprobs(content=[]) for _ in range(req.n)] if req.logprobs else None
+    prompt_len = len(prompts[0])  # a prompt with images: the engine's expanded length, from its events
     async for ev in events:
+        prompt_len = max(prompt_len, ev.prompt_len)
         texts[ev.index] += ev.text
         tokens[ev.index] = ev.num_output_tokens
         reasons[ev.index] = ev.finish_reason or reasons[ev.index]
@@ -163,8 +165,7 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
         calls = joined(deltas + last)
         choice.message = ChatResponseMessage(content=(content + rest) or (None if calls else ""), tool_calls=calls)
     completion = sum(tokens)
-    usage = UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                      total_tokens=len(prompts[0]) + completion)
+    usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=ctx.model_name, choices=choices,
                                   usage=usage)
 
@@ -182,13 +183,13 @@ def _read(reader: ToolReader | None, ev: ChoiceEvent) -> tuple[str, list, str | 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
                  prompts: list[list[int]]) -> AsyncIterator[str]:
-    rid, tokens = random_id("chatcmpl"), {}
+    rid, tokens, prompt_len = random_id("chatcmpl"), {}, [len(prompts[0])]  # images: the expanded length
     continuous = req.continuous_usage()
 
     def usage() -> UsageInfo:
         completion = sum(tokens.values())
-        return UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                         total_tokens=len(prompts[0]) + completion)
+        return UsageInfo(prompt_tokens=prompt_len[0], completion_tokens=completion,
+                         total_tokens=prompt_len[0] + completion)
 
     def chunk(choice: ChatStreamChoice | None, final: bool = False) -> str:
         choices = [choice] if choice else []
@@ -202,6 +203,7 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
         yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
+        prompt_len[0] = max(prompt_len[0], ev.prompt_len)
         text, calls, reason = _read(readers[ev.index], ev)
         if not text and not calls and reason is None and not req.logprobs:
             continue  # nothing a client can see yet

@@ -80,6 +80,7 @@ class ChoiceEvent:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # on a choice's first event, when asked
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_len: int = 0  # as the engine ran it (a prompt with images: expanded by its processor)
 
 
 @dataclass
@@ -220,7 +221,7 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
             if reason is not None:
                 status = reason
             yield ChoiceEvent(index, text, list(delta.token_ids), delta.logprobs, reason, num_tokens,
-                              delta.top_logprobs, delta.prompt_logprobs, delta.prompt_top_logprobs)
+                              delta.top_logprobs, delta.prompt_logprobs, delta.prompt_top_logprobs, delta.prompt_len)
             if reason is not None:
                 break  # on a stop string, leaving the loop closes gen, which aborts the request
     except EngineError as e:
