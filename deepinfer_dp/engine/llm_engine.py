@@ -128,8 +128,9 @@ class LLMEngine:
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequest(f"request {request_id} is already running")
-        if mm is not None and self.images is None:
-            raise InvalidRequest("this model does not take images", "multi_modal_data")
+        if mm is not None and (self.images is None or params.prompt_logprobs is not None):
+            raise InvalidRequest("this model does not take images" if self.images is None else
+                                 "prompt_logprobs are not supported for prompts with images", "multi_modal_data")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)

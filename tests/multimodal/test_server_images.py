@@ -137,3 +137,10 @@ def test_image_metrics_are_exported_and_the_dashboard_queries_them(setup):
     assert queried and not queried - exported
     processed = re.search(r'^deepinfer:mm_images_processed_total\{dp_rank="0"\} (\S+)$', text, re.M)
     assert processed and float(processed.group(1)) > 0
+
+
+def test_prompt_logprobs_with_images_is_a_400(setup):
+    server, _, _, _ = setup
+    body = {**chat(data_url(png_bytes(make_image(45)))), "prompt_logprobs": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
