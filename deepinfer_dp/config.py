@@ -94,6 +94,17 @@ class EngineConfig:
     all2all_backend: Literal["all_to_all", "allgather_reducescatter"] = Field(
         "all_to_all", description="the expert-parallel dispatcher")
 
+    # Images (vision-language models; ignored by the others); vLLM's names where it has them.
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=lambda: {"image": 4}, description='most items per prompt by modality, e.g. {"image": 2} '
+                                                          '(JSON on the command line)')
+    allowed_local_media_path: str | None = Field(None, description="local image files (file:// URLs) only under "
+                                                                   "this folder (default: none allowed)")
+    media_fetch_timeout_s: float = Field(10.0, gt=0, description="whole fetch of one http(s) image")
+    max_image_bytes: int = Field(20 * 2**20, ge=1, description="largest encoded image, any source")
+    mm_encoder_cache_tokens: int = Field(16384, ge=1, description="image embeddings the encoder cache keeps, in "
+                                                                  "placeholder tokens (least recently used out)")
+
     @model_validator(mode="after")
     def _rank_in_group(self) -> EngineConfig:
         if self.dp_rank >= self.dp_size:
@@ -127,6 +138,12 @@ class EngineConfig:
         import torch
 
         return self.torch_dtype() if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+
+    def media_limits(self):
+        from deepinfer_dp.multimodal.media import MediaLimits
+
+        return MediaLimits(self.media_fetch_timeout_s, self.max_image_bytes,
+                           allowed_local_media_path=self.allowed_local_media_path)
 
     def resolved_threads(self) -> int | None:
         if self.torch_threads is not None:

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX, image_error_field
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
 
 if TYPE_CHECKING:  # the validator pulls in the grammar library (torch, transformers); the wire format must not
     from deepinfer_dp.engine.input_processor import InputProcessor
+    from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
@@ -53,6 +55,7 @@ class EngineError(Exception):
     """Base of the errors a front end turns into an HTTP status."""
 
     status_code = 500
+    param: str | None = None  # the request field at fault, when one is
 
 
 class RequestRejected(EngineError):
@@ -85,8 +88,8 @@ class EngineClient(Protocol):
     max_model_len: int
     input_processor: InputProcessor
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 mm: MultiModalPrompt | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -107,6 +110,10 @@ async def deltas_until_finished(queue: asyncio.Queue, abandon: Callable[[], None
                 finished = True
                 raise item
             finished = item.finished
+            if item.error is not None and item.error.startswith(MM_ERROR_PREFIX):  # a bad image: 400 naming it
+                error = RequestRejected(item.error.removeprefix(MM_ERROR_PREFIX))
+                error.param = image_error_field(item.error)
+                raise error
             if item.error is not None:
                 # a grammar the library refused is the request's own fault: 400, not 500
                 kind = RequestRejected if item.error.startswith(BUILD_ERROR_PREFIX) else RequestFailed

@@ -10,8 +10,9 @@ while post-processing one request finishes that request with finish_reason "erro
 leaves the others and the engine running.
 
 A structured-output request waits outside the C++ scheduler until its grammar is built
-(structured_output/manager.py); the build counts as local work, and a failed build finishes
-the request with finish_reason "error".
+(structured_output/manager.py), a request with images until the image worker has them ready
+(engine/image_requests.py); both count as local work, and a failure finishes the request with
+finish_reason "error".
 """
 
 from __future__ import annotations
@@ -19,24 +20,26 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.distributed.lockstep import Lockstep
 from deepinfer_dp.engine import prompt_logprobs
 from deepinfer_dp.engine.client import TokenDelta
+from deepinfer_dp.engine.image_requests import ImageRequests
 from deepinfer_dp.engine.input_processor import InputProcessor, InvalidRequest
 from deepinfer_dp.engine.outputs import OwnedOutput
+from deepinfer_dp.engine.request_state import RequestState, check_fits, eos_token_ids, is_special, sequence_limits
 from deepinfer_dp.engine.sampling_defaults import checked_sampling_defaults
 from deepinfer_dp.engine.stop_strings import StopStringChecker
 from deepinfer_dp.layers.sampler import SamplingBatch, make_generator
 from deepinfer_dp.models import LoadedModel, load_model, max_context_len
 from deepinfer_dp.models.tokenizer import load_tokenizer
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
+from deepinfer_dp.multimodal.processing import PSEUDO_ID_SPAN
 from deepinfer_dp.sampling_params import SamplingParams
 from deepinfer_dp.spec_decode import speculator
 from deepinfer_dp.spec_decode.proposer import DraftTarget, ProposerContext
@@ -47,16 +50,6 @@ from deepinfer_dp.worker.worker import StepState, Worker
 
 logger = logging.getLogger(__name__)
 MAX_DEFAULT_CONTEXT = 8192
-
-
-@dataclass
-class RequestState:
-    """What the engine keeps beside the C++ sequence: how to sample, when to stop on text."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    eos_token_id: int | None
-    stop_checker: StopStringChecker | None
 
 
 class LLMEngine:
@@ -74,7 +67,7 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, config.tokenizer)
-        self.eos_token_ids = _eos_token_ids(loaded.model_dir, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(loaded.model_dir, self.tokenizer)
         self.max_model_len = config.max_model_len or min(max_context_len(self.hf_config), MAX_DEFAULT_CONTEXT)
         self.vocab_size = self.hf_config.vocab_size
         self.input_processor = InputProcessor(self.vocab_size, self.max_model_len,
@@ -85,12 +78,15 @@ class LLMEngine:
         cache_dtype = kv_cache_dtype_for(config, self.hf_config)
         num_blocks = num_kv_blocks_for(config, loaded, cache_dtype, self.max_model_len, draft_per_block)
         check_kv_capacity(config, loaded, cache_dtype, num_blocks, self.max_model_len, draft_per_block)
+        # Requests with images (None: a model without vision); their placeholder ids sit above the vocabulary.
+        self.images = ImageRequests.for_model(loaded.model, loaded.model_dir, config.media_limits(),
+                                              config.mm_encoder_cache_tokens)
         self.worker = Worker(ModelRunner(config, loaded, num_blocks), config.zos)
         self.scheduler = _C.Scheduler(_C.SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=self.worker.runner.free_window))
+            vocab_size=self.vocab_size + (PSEUDO_ID_SPAN if self.images else 0),
+            enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.worker.runner.free_window))
         self.requests: dict[str, RequestState] = {}
         self.speculator = None if spec is None else self._build_speculator(spec, loaded)
         # The DP vote when this engine is one rank of a group (set by cluster/); None: alone.
@@ -125,39 +121,47 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else self.input_processor.default_params()
         return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
 
-    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Enqueues a request (n=1) that passed InputProcessor.process; no check again, no model work."""
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    mm: MultiModalPrompt | None = None) -> str:
+        """Enqueues a request (n=1) that passed InputProcessor.process; no check again, no model work.
+        With `mm` (prompt text and images) it waits for the image worker, whose expanded prompt replaces `ids`."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidRequest(f"request {request_id} is already running")
+        if mm is not None and (self.images is None or params.prompt_logprobs is not None):
+            raise InvalidRequest("this model does not take images" if self.images is None else
+                                 "prompt_logprobs are not supported for prompts with images", "multi_modal_data")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids += self.eos_token_ids[1:]  # further EOS ids of the generation config
-        _check_fits(request_id, len(ids), params.max_tokens, self.scheduler.max_seq_len)
-        limits = _C.SequenceLimits(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                                   stop_token_ids=stop_ids, eos_token_id=-1 if eos is None else eos,
-                                   ignore_eos=params.ignore_eos, read_prefix_cache=params.prompt_logprobs is None,
-                                   allow_drafts=speculator.may_draft(params))
         checker = (StopStringChecker(params.stop, self.tokenizer, params.skip_special_tokens)
                    if params.stop else None)
         state = RequestState(params, make_generator(params.seed, self.device), eos, checker)
-        seq = _C.Sequence(request_id, ids, limits)
-        if params.structured_outputs is not None:  # enters the scheduler once its grammar is built
-            self.structured.submit(request_id, params.structured_outputs, seq)
+        if mm is not None:
+            self.images.submit(request_id, mm)  # enters the scheduler once its images are ready
         else:
-            self.scheduler.add_sequence(seq)  # last: nothing to undo
+            self._enqueue(_C.Sequence(request_id, ids, self._limits(request_id, len(ids), params)), params)
         self.requests[request_id] = state
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = prompt_logprobs.PromptLogprobs.for_prompt(ids, params.prompt_logprobs)
-        self._num_special += _is_special(state)
+        self._num_special += is_special(state)
         return request_id
+
+    def _limits(self, request_id: str, prompt_len: int, params: SamplingParams, drafts: bool = True):
+        check_fits(request_id, prompt_len, params.max_tokens, self.scheduler.max_seq_len)
+        return sequence_limits(params, self.eos_token_ids, drafts and speculator.may_draft(params))
+
+    def _enqueue(self, seq: _C.Sequence, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:  # enters the scheduler once its grammar is built
+            self.structured.submit(seq.request_id, params.structured_outputs, seq)
+        else:
+            self.scheduler.add_sequence(seq)  # last: nothing to undo
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
         """Aborts the given requests and frees their KV blocks; returns the ids it found."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         found = [rid for rid in ids if self.scheduler.abort(str(rid)) is not None]
         found += self.structured.cancel(str(rid) for rid in ids if rid not in found)
+        if self.images is not None:
+            found += self.images.cancel([str(rid) for rid in ids if rid not in found])
         for rid in found:
             self._forget(str(rid))
         return found
@@ -201,8 +205,9 @@ class LLMEngine:
         return self.vote(self.has_local_unfinished_requests())
 
     def has_local_unfinished_requests(self) -> bool:
-        # a grammar still building is work: the rank keeps stepping until its request runs
-        return self.scheduler.has_unfinished_seqs() or self.structured.has_pending() or bool(self._build_failures)
+        # a grammar still building, or images still loading, are work: the rank keeps stepping
+        return (self.scheduler.has_unfinished_seqs() or self.structured.has_pending() or bool(self._build_failures)
+                or (self.images is not None and self.images.has_pending()))
 
     def vote(self, local: bool) -> bool:
         """The DP vote: True if this rank (`local`) or any peer has work; one per step."""
@@ -210,6 +215,8 @@ class LLMEngine:
 
     def step(self) -> list:
         self._drop_finished_states()
+        if self.images is not None:
+            self._admit_ready_images()
         failed = self._admit_built_grammars()
         # Drafting (speculative decoding) needs the accepted tokens, so such a step is not deferred.
         speculating = self.speculator is not None and self.speculator.before_schedule(self.scheduler)
@@ -218,7 +225,9 @@ class LLMEngine:
             self.placeholder_steps += 1
         spec = self.prompt_logprobs_spec(sched_out) if sched_out.is_prompt else None
         observer = self.speculator.observer_for(speculating, sched_out.is_empty()) if self.speculator else None
-        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, observer=observer)
+        mm = self.images.plan(sched_out) if self.images is not None else None
+        outputs = self.worker.execute_model_step(sched_out, self, spec, defer=not speculating, observer=observer,
+                                                 mm=mm)
         if self.speculator is not None:
             self.speculator.after_step(sched_out, speculating)
         self.generate_step += 1
@@ -232,13 +241,26 @@ class LLMEngine:
         for rid, seq, error in self.structured.take_ready():
             if error is None:
                 self.scheduler.add_sequence(seq)
-                continue
-            self.requests_failed += 1
-            self._finished.append(rid)
-            self._build_failures.append(OwnedOutput(rid, [], True, "error", seq.data.get_prompt_len(), 0,
-                                                    None, self.config.dp_rank, error))
+            else:
+                self._fail_waiting(rid, error, seq.data.get_prompt_len())
         failed, self._build_failures = self._build_failures, []
         return failed
+
+    def _fail_waiting(self, request_id: str, error: str, prompt_len: int) -> None:
+        self.requests_failed += 1  # never reached the scheduler: reported by the next step
+        self._finished.append(request_id)
+        self._build_failures.append(OwnedOutput(request_id, [], True, "error", prompt_len, 0, None,
+                                                self.config.dp_rank, error))
+
+    def _admit_ready_images(self) -> None:
+        """Ready requests enter the scheduler (or the grammar build); a failed one finishes."""
+        if not self.scheduler.has_unfinished_seqs() and self.lockstep is None and not self.structured.has_pending():
+            self.images.worker.wait(0.05)  # alone and only waiting for images: wait, don't spin
+        ready, failed = self.images.admit_ready(self.requests, self._limits, self.max_model_len, self.vocab_size)
+        for rid, error in failed:
+            self._fail_waiting(rid, error, 0)
+        for seq in ready:
+            self._enqueue(seq, self.requests[seq.request_id].params)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (vLLM's reset_prefix_cache), so that a prompt seen before is
@@ -349,8 +371,10 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.structured.forget(request_id)
+        if self.images is not None:
+            self.images.forget(request_id)
         if state is not None:
-            self._num_special -= _is_special(state)
+            self._num_special -= is_special(state)
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -359,7 +383,7 @@ class LLMEngine:
                 "generate_step": self.generate_step, "placeholder_steps": self.placeholder_steps,
                 "requests_failed": self.requests_failed, "device_busy_s": self.worker.device_busy_s,
                 "forward_time_s": self.worker.runner.forward_time_s, **speculator.stats(s.stats, self.speculator),
-                **self.structured.stats.as_dict(), **self._moe_stats()}
+                **self.structured.stats.as_dict(), **self._moe_stats(), **(self.images.stats() if self.images else {})}
 
     def _moe_stats(self) -> dict:
         model = self.worker.runner.model
@@ -369,33 +393,6 @@ class LLMEngine:
         """Stops the worker's thread and lets go of the DP vote (its groups are the owner's)."""
         self.worker.shutdown()
         self.structured.shutdown()
+        if self.images is not None:
+            self.images.shutdown()
         self.lockstep = None
-
-
-def _check_fits(request_id: str, prompt_len: int, max_tokens: int, max_seq_len: int) -> None:
-    """A request that may grow past the context is refused, not cut short later. (A prompt
-    that alone fills the context is left to the scheduler's own message.)"""
-    if prompt_len < max_seq_len < prompt_len + max_tokens:
-        raise InvalidRequest(f"request '{request_id}': the prompt has {prompt_len} tokens and max_tokens is "
-                             f"{max_tokens}, {prompt_len + max_tokens} in all, but the context length "
-                             f"(max_model_len) is {max_seq_len}; lower max_tokens or shorten the prompt",
-                             "max_tokens")
-
-
-def _is_special(state: RequestState) -> bool:
-    p = state.params
-    return (not p.is_greedy or p.logprobs is not None or p.needs_history or p.min_tokens > 0 or bool(p.logit_bias)
-            or p.structured_outputs is not None)
-
-
-def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """EOS ids: the generation config's (possibly several) first, then the tokenizer's."""
-    ids: list[int] = []
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids

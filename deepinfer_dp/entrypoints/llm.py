@@ -22,6 +22,9 @@ from deepinfer_dp.distributed.groups import torchrun_env
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
 from deepinfer_dp.engine.stop_strings import truncate_at_stop
+from deepinfer_dp.multimodal.chat import has_image_parts
+from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.sampling_params import InvalidRequest, SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
 
@@ -76,12 +79,17 @@ class LLM:
         values (EngineConfig.generation_config, "auto"), or neutral ones ("vllm"), as vLLM."""
         return self._submitter.input_processor.default_params()
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, prompts: str | dict | Sequence[str | dict] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list:
         """One result per prompt, in prompt order: text (decode_sequence=True) or the list of
-        cloned RequestOutputs (one per token). With n > 1 a result is a list of n of those."""
-        if isinstance(prompts, str):
+        cloned RequestOutputs (one per token). With n > 1 a result is a list of n of those.
+        A prompt with images is a dict, vLLM's shape: {"prompt": text with the model's image
+        placeholders, "multi_modal_data": {"image": image or [images]}} (PIL images, bytes or
+        URLs). Images that fail (fetch, decode, processor) fail only their prompt: the others
+        run, then one ValueError names the prompt and the image, its `outputs` the results
+        (None for a failed prompt)."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is None and prompt_token_ids is None:
             raise ValueError("generate needs prompts or prompt_token_ids")
@@ -99,10 +107,25 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list:
         """Applies the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if any(has_image_parts(conv) for conv in conversations):  # the model's processor renders them
+            images = self._image_requests()
+            prompts = []
+            for conv in conversations:
+                mm = images.chat_prompt(conv, add_generation_prompt)
+                prompts.append({"prompt": mm.prompt, "multi_modal_data": {"image": mm.images}})
+            return self.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
         tok = self.get_tokenizer()
         ids = [_as_ids(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True))
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def _image_requests(self):
+        images = self.llm_engine.images if self.llm_engine is not None else None
+        if images is None:
+            raise InvalidRequest("this model does not take images" if self.llm_engine is not None else
+                                 "images are not supported with dp_size > 1 over Ray; use torchrun or dp_size 1",
+                                 "multi_modal_data")
+        return images
 
     def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams]) -> dict[str, int]:
         """Adds every request before any model work; maps request id -> prompt index. Each
@@ -113,14 +136,34 @@ class LLM:
         processor = self._submitter.input_processor
         try:
             for i, p in enumerate(params):
-                ids = prompt_token_ids[i] if prompt_token_ids is not None else self._tokenize(prompts[i])
+                mm = self._mm_prompt(prompts[i], p) if prompts is not None and isinstance(prompts[i], dict) else None
+                text = mm.prompt if mm is not None else prompts[i] if prompts is not None else None
+                ids = prompt_token_ids[i] if prompt_token_ids is not None else self._tokenize(text)
                 ids, checked = processor.process(ids, p)
+                extra = {} if mm is None else {"mm": mm}
                 for sample in range(checked.n):
-                    owners[self._submitter.add_checked(ids, checked.for_sample(sample))] = i
+                    owners[self._submitter.add_checked(ids, checked.for_sample(sample), **extra)] = i
         except ValueError as e:
             self._submitter.abort_request(list(owners))
             raise InvalidRequest(f"prompt {i}: {e}", getattr(e, "param", None)) from e
         return owners
+
+    def _mm_prompt(self, prompt: dict, params: SamplingParams) -> MultiModalPrompt:
+        """A dict prompt's text and images, checked against limit_mm_per_prompt."""
+        text, data = prompt.get("prompt"), prompt.get("multi_modal_data") or {}
+        unknown = set(prompt) - {"prompt", "multi_modal_data"} or set(data) - {"image"}
+        if unknown:
+            raise InvalidRequest(f"unsupported prompt key(s) {sorted(unknown)} (prompt, multi_modal_data.image)",
+                                 "prompt")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        limit = self._image_requests() and self.llm_engine.config.limit_mm_per_prompt.get("image", 0)
+        if len(images) > limit:
+            raise InvalidRequest(f"{len(images)} images, more than limit_mm_per_prompt allows ({limit})",
+                                 "multi_modal_data.image")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs are not supported for prompts with images", "prompt_logprobs")
+        return MultiModalPrompt(text, images, max_tokens_set=params.max_tokens is not None)
 
     def _tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -148,6 +191,7 @@ class LLM:
     def _collect(self, outputs: dict[str, list], owners: dict[str, int], params: list[SamplingParams],
                  num: int) -> list:
         results: list[list] = [[] for _ in range(num)]
+        input_errors: dict[int, str] = {}  # a prompt whose images failed: the others still return
         for rid in sorted(owners, key=int):
             outs = outputs.get(rid, [])
             i = owners[rid]
@@ -155,11 +199,19 @@ class LLM:
                 raise RuntimeError(f"request {rid} ended without a finished output")  # never silently short
             if outs[-1].finish_reason == "error":
                 error = outs[-1].error or ""
+                if error.startswith(MM_ERROR_PREFIX):
+                    input_errors.setdefault(i, f"prompt {i}: {error.removeprefix(MM_ERROR_PREFIX)}")
+                    continue
                 # a schema, regex or grammar the library refused is the caller's bad input
                 kind = ValueError if error.startswith(BUILD_ERROR_PREFIX) else RuntimeError
                 raise kind(f"prompt {i}: request {rid} failed: {error}")
             results[i].append(self._decode(outs, params[i]) if self.decode_sequence else outs)
-        return [r[0] if params[i].n == 1 else r for i, r in enumerate(results)]
+        done = [None if i in input_errors else r[0] if params[i].n == 1 else r for i, r in enumerate(results)]
+        if input_errors:
+            error = ValueError("; ".join(input_errors.values()))
+            error.outputs = done
+            raise error
+        return done
 
     def _decode(self, outs: list, params: SamplingParams) -> str:
         ids = [t for o in outs for t in o.token_ids]

@@ -54,9 +54,13 @@ class CpuLinear(nn.Module):
 
 def replace_linears(model: nn.Module) -> int:
     """Replaces every fp32 CPU nn.Linear in `model` by a CpuLinear; returns how many. Tied
-    weights stay one tensor."""
+    weights stay one tensor. A module that sets `keep_torch_linears` (a vision tower, whose
+    floats must be transformers') is left as it is, with everything under it."""
+    kept = {id(m) for top in model.modules() if getattr(top, "keep_torch_linears", False) for m in top.modules()}
     count = 0
     for parent in list(model.modules()):
+        if id(parent) in kept:
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
                     and child.weight.dtype == torch.float32 and child.weight.is_contiguous():

@@ -66,6 +66,15 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("structured_output_mask_time_seconds", "counter", "so_mask_time_s",
      "Host time filling the token bitmasks of constrained rows (see _mask_steps for the per-step mean)."),
     ("structured_output_mask_steps", "counter", "so_mask_steps", "Steps that filled a token bitmask."),
+    # images (vision-language models only; other models report none of these)
+    ("mm_requests_waiting", "gauge", "mm_requests_waiting", "Requests waiting for the image worker."),
+    ("mm_images_processed", "counter", "images_processed", "Images fetched, decoded and preprocessed."),
+    ("mm_image_failures", "counter", "image_failures", "Image jobs that failed; each failed its request."),
+    ("mm_preprocess_time_seconds", "counter", "image_preprocess_time_s",
+     "Image worker time: fetch, decode and the model's processor."),
+    ("mm_encoder_time_seconds", "counter", "encoder_time_s", "Time in the vision encoder (inside steps)."),
+    ("mm_encoder_cache_hits", "counter", "encoder_cache_hits", "Images whose embeddings came from the cache."),
+    ("mm_encoder_cache_misses", "counter", "encoder_cache_misses", "Images the vision encoder had to run for."),
 ]
 PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0 = first).")
 

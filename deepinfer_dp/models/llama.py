@@ -173,8 +173,9 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -213,16 +214,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn.k_cache = k_cache
             layer.self_attn.attn.v_cache = v_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of the flattened tokens of this step."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the flattened tokens of this step; `inputs_embeds`
+        (image rows spliced in) replaces the lookup of `input_ids`."""
         self.context.attn_metadata = attn_metadata
         try:
             if self.cpu_decode is None:
                 self.cpu_decode = (_plain_llama(self.model) and LlamaCpuDecode.build(self.model)) or False
-            if self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
+            if inputs_embeds is None and self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
                 return self.cpu_decode(input_ids, positions, attn_metadata)
-            return self.model(input_ids, positions)
+            if inputs_embeds is None:
+                return self.model(input_ids, positions)
+            return self.model(input_ids, positions, inputs_embeds)
         finally:
             self.context.attn_metadata = None
 

@@ -32,6 +32,8 @@ class LoadedModel:
     tokenizer_dir: str  # AutoTokenizer.from_pretrained(tokenizer_dir) works offline
     model_dir: str  # a Hugging Face directory: AutoModelForCausalLM can load it too
     mtp: nn.Module | None = None  # the next-n (MTP) layer, when asked for (load_model(mtp=True))
+    # A vision-language model's whole config; hf_config is then its text model's (KV cache, vocabulary).
+    mm_config: PretrainedConfig | None = None
 
 
 def resolve_model_dir(model: str | os.PathLike | None, revision: str | None = None) -> Path:
@@ -87,7 +89,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     config = load_hf_config(model_dir)
     device = torch.device(device)
     cls = model_class(config)
-    if packed and not cls.mixture_of_experts and device.type == "cpu" and dtype == torch.float32:
+    packable = getattr(cls, "packable", True) and not cls.mixture_of_experts  # (a vision tower is not)
+    if packed and packable and device.type == "cpu" and dtype == torch.float32:
         if (model_dir / PACKED_FILE).is_file():  # a converted GGUF file
             weights = read_packed_dir(model_dir, safetensors_files(model_dir))
         else:
@@ -102,6 +105,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     net.eval().requires_grad_(False)  # serving only: no autograd graph even outside inference_mode
     # speculative_config method 'mtp': the checkpoint's next-n layer, attached to the model
     nextn = attach_nextn_layer(net) if mtp else None
-    return LoadedModel(model=net, hf_config=config, tokenizer_dir=str(model_dir),
-                       model_dir=str(model_dir), mtp=nextn)
+    vision = getattr(cls, "image_family", None) is not None
+    return LoadedModel(model=net, hf_config=config.get_text_config() if vision else config,
+                       tokenizer_dir=str(model_dir), model_dir=str(model_dir), mtp=nextn,
+                       mm_config=config if vision else None)
 

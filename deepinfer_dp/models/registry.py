@@ -29,6 +29,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "olmoe": ("moe_models", "MoeForCausalLM"),
     "deepseek_v2": ("deepseek", "DeepseekForCausalLM"),
     "deepseek_v3": ("deepseek", "DeepseekForCausalLM"),
+    "llava": ("llava", "LlavaForConditionalGeneration"),
+    "idefics3": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 
 # model_type -> (module, function) that attaches the next-n (MTP) layer its checkpoints carry

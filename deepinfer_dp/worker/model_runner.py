@@ -20,6 +20,7 @@ from deepinfer_dp.layers.attention import AttentionMetadata, freeable_window
 from deepinfer_dp.layers.cpu_threads import narrow_step
 from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
+from deepinfer_dp.multimodal.step_inputs import MultiModalStep
 from deepinfer_dp.spec_decode.proposer import TargetStep
 from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
 from deepinfer_dp.worker import prompt_logprobs
@@ -44,6 +45,8 @@ class ModelInput:
     prompt_logprobs: prompt_logprobs.PromptLogprobsSpec | None = None
     # Shown this forward on the device (a speculative proposer's network; Speculator.observer_for).
     observer: Callable[[TargetStep], None] | None = None
+    # Image rows of this step (a vision-language model's prompt chunks): spliced into the embeddings.
+    mm: MultiModalStep | None = None
 
 
 def kv_cache_dtype_for(config: EngineConfig, hf_config) -> torch.dtype:
@@ -204,7 +207,11 @@ class ModelRunner:
             src = inp.inflight_src.long()
             input_ids = torch.where(src >= 0, inp.prev_tokens[src.clamp(min=0)], input_ids)
         with self.thread_plan(input_ids.numel()):
-            hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
+            if inp.mm is None:
+                hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
+            else:  # the vision encoder runs here, inside the step, for images not in its cache
+                embeds = inp.mm.embeddings(self.model, input_ids, self.vocab_size)
+                hidden = self.model(input_ids, inp.positions, inp.attn_metadata, inputs_embeds=embeds)
             if inp.observer is not None:
                 inp.observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden, inp.sample_indices))
             if inp.prompt_logprobs is not None:

@@ -25,6 +25,7 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers.sampler import Sampler, SamplerOutput, SamplingBatch, greedy_token_ids
+from deepinfer_dp.multimodal.step_inputs import MultiModalStep
 from deepinfer_dp.spec_decode.proposer import TargetStep
 from deepinfer_dp.worker.model_runner import ModelInput, ModelRunner
 from deepinfer_dp.worker.prompt_logprobs import PromptLogprobsSpec
@@ -92,9 +93,11 @@ class Worker:
 
     def execute_model_step(self, sched_out: _C.SchedulerOutput, host: StepHost,
                            prompt_logprobs: PromptLogprobsSpec | None = None, defer: bool = True,
-                           observer: Callable[[TargetStep], None] | None = None) -> list:
+                           observer: Callable[[TargetStep], None] | None = None,
+                           mm: MultiModalStep | None = None) -> list:
         """`defer=False` post-processes even a ZOS decode step in place (speculative steps);
-        `observer`: a proposer's network, shown this step's forward (Speculator.observer_for)."""
+        `observer`: a proposer's network, shown this step's forward (Speculator.observer_for);
+        `mm`: the step's image rows (ImageRequests.plan)."""
         placeholder = sched_out.is_empty()
         prev = self.prev_step_state
         if placeholder:
@@ -102,6 +105,7 @@ class Worker:
         else:
             model_input = self.runner.prepare(sched_out)
             model_input.prompt_logprobs = prompt_logprobs
+            model_input.mm = mm
         model_input.observer = observer
         # 1. Forward current step
         logits = self._on_device(self._forward, model_input, prev.sampled if prev is not None else None)

@@ -36,6 +36,7 @@ from deepinfer_dp.engine.client import (
 )
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class LocalEngineClient:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.input_processor = engine.input_processor
+        # A vision model's images: the chat template of its processor, and how many a prompt may carry.
+        self.images = engine.images
+        self.image_limit = engine.config.limit_mm_per_prompt.get("image", 0)
         self.on_fatal: Callable[[BaseException], None] | None = None  # the engine loop died
         self._commands: queue.Queue = queue.Queue()
         # The engine thread adds and ends streams; fail_inflight (the event loop's thread) takes
@@ -71,13 +75,13 @@ class LocalEngineClient:
         self._thread.start()
 
     # ---- the EngineClient protocol (called from the asyncio side) ------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       mm: MultiModalPrompt | None = None) -> AsyncIterator[TokenDelta]:
         if not self._thread.is_alive():
             raise NoCapacity("the engine thread is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         engine_id = f"{request_id}-{next(self._ids)}"  # unique even if a client reuses ids
-        self._commands.put(("add", engine_id, list(prompt_token_ids), params, stream))
+        self._commands.put(("add", engine_id, list(prompt_token_ids), params, stream, mm))
         async for delta in deltas_until_finished(stream.queue, lambda: self._commands.put(("abort", engine_id))):
             yield delta
 
@@ -144,9 +148,9 @@ class LocalEngineClient:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, engine_id, ids, params, stream = command
+            _, engine_id, ids, params, stream, mm = command
             try:
-                self.engine.add_checked(ids, params, engine_id)  # generate() takes validated requests
+                self.engine.add_checked(ids, params, engine_id, mm=mm)  # generate() takes validated requests
             except ValueError as e:
                 _put(stream, RequestRejected(str(e)))
                 return

@@ -45,7 +45,7 @@ ChatCompletionBody = Annotated[ChatCompletionRequest, Depends(body_of(ChatComple
 
 def _engine_error(e: EngineError) -> OpenAIError:
     if e.status_code == 400:
-        return OpenAIError(400, str(e))
+        return OpenAIError(400, str(e), param=e.param)
     if e.status_code == 503:
         return OpenAIError(503, str(e), "service_unavailable_error")
     return OpenAIError(e.status_code, str(e), "server_error")

@@ -22,9 +22,11 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from deepinfer_dp.entrypoints.openai.serving_chat_images import image_prompt
 from deepinfer_dp.entrypoints.openai.serving_engine import (
     ChoiceEvent,
     Prepared,
+    PromptIds,
     ServingContext,
     bad_request,
     check_common,
@@ -99,10 +101,13 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     _check_fields(ctx, req)
     # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
-    messages = _messages(req)
-    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
+    mm = await image_prompt(ctx, req)
+    if mm is None:
+        messages = _messages(req)
+        ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
-        ids = await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
+        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
+               if mm is None else PromptIds(await ctx.off_loop(_tokenize, ctx, mm.prompt)))
     except TemplateError as e:
         raise bad_request(str(e), "messages") from e
     stops = stop_strings(req)
@@ -114,8 +119,16 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     wanted = make_params(req, limit, logprobs, defaults, structured_outputs=constraint)
     names = {"prompt": "messages", "max_tokens": name, "structured_outputs": constraint_field(req)}
-    ids, params = check_request(ids, wanted, ctx.client, "messages", names)
-    return [ids], [params], stops
+    checked, params = check_request(ids, wanted, ctx.client, "messages", names)
+    if mm is not None:
+        mm.max_tokens_set = req.max_completion_tokens is not None or "max_tokens" in req.model_fields_set
+        ids[:] = checked
+        ids.mm = mm
+    return [ids if mm is not None else checked], [params], stops
+
+
+def _tokenize(ctx: ServingContext, text: str) -> list[int]:
+    return ctx.client.tokenizer(text).input_ids
 
 
 def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
@@ -134,7 +147,9 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
                    prompts: list[list[int]]) -> ChatCompletionResponse:
     texts, reasons, tokens = [""] * req.n, [None] * req.n, [0] * req.n
     logprobs = [ChatLogprobs(content=[]) for _ in range(req.n)] if req.logprobs else None
+    prompt_len = len(prompts[0])  # a prompt with images: the engine's expanded length, from its events
     async for ev in events:
+        prompt_len = max(prompt_len, ev.prompt_len)
         texts[ev.index] += ev.text
         tokens[ev.index] = ev.num_output_tokens
         reasons[ev.index] = ev.finish_reason or reasons[ev.index]
@@ -150,8 +165,7 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
         calls = joined(deltas + last)
         choice.message = ChatResponseMessage(content=(content + rest) or (None if calls else ""), tool_calls=calls)
     completion = sum(tokens)
-    usage = UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                      total_tokens=len(prompts[0]) + completion)
+    usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=ctx.model_name, choices=choices,
                                   usage=usage)
 
@@ -169,13 +183,13 @@ def _read(reader: ToolReader | None, ev: ChoiceEvent) -> tuple[str, list, str | 
 
 async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
                  prompts: list[list[int]]) -> AsyncIterator[str]:
-    rid, tokens = random_id("chatcmpl"), {}
+    rid, tokens, prompt_len = random_id("chatcmpl"), {}, [len(prompts[0])]  # images: the expanded length
     continuous = req.continuous_usage()
 
     def usage() -> UsageInfo:
         completion = sum(tokens.values())
-        return UsageInfo(prompt_tokens=len(prompts[0]), completion_tokens=completion,
-                         total_tokens=len(prompts[0]) + completion)
+        return UsageInfo(prompt_tokens=prompt_len[0], completion_tokens=completion,
+                         total_tokens=prompt_len[0] + completion)
 
     def chunk(choice: ChatStreamChoice | None, final: bool = False) -> str:
         choices = [choice] if choice else []
@@ -189,6 +203,7 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
         yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
+        prompt_len[0] = max(prompt_len[0], ev.prompt_len)
         text, calls, reason = _read(readers[ev.index], ev)
         if not text and not calls and reason is None and not req.logprobs:
             continue  # nothing a client can see yet

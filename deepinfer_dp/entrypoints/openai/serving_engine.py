@@ -43,6 +43,13 @@ T = TypeVar("T")
 Prepared = tuple[list[list[int]], list[SamplingParams], list[str]]
 
 
+class PromptIds(list):
+    """A prompt's token ids that carry its images (`mm`, a chat with image_url parts): the
+    engine's image worker fetches them and the model's processor expands the prompt."""
+
+    mm: Any = None
+
+
 class OpenAIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
@@ -73,6 +80,7 @@ class ChoiceEvent:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # on a choice's first event, when asked
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_len: int = 0  # as the engine ran it (a prompt with images: expanded by its processor)
 
 
 @dataclass
@@ -193,7 +201,8 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
     """One engine request, as text events; stops it early when a stop string shows up."""
     detok = IncrementalDetokenizer(ctx.client.tokenizer, params.skip_special_tokens)
     watch = StopWatch(stops, params.include_stop_str_in_output)
-    gen = ctx.client.generate(f"{request_id}-{index}", ids, params)
+    mm = getattr(ids, "mm", None)
+    gen = ctx.client.generate(f"{request_id}-{index}", ids, params, **({"mm": mm} if mm is not None else {}))
     rank, last, num_tokens, status = None, arrival, 0, "abort"
     try:
         async for delta in gen:
@@ -212,7 +221,7 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
             if reason is not None:
                 status = reason
             yield ChoiceEvent(index, text, list(delta.token_ids), delta.logprobs, reason, num_tokens,
-                              delta.top_logprobs, delta.prompt_logprobs, delta.prompt_top_logprobs)
+                              delta.top_logprobs, delta.prompt_logprobs, delta.prompt_top_logprobs, delta.prompt_len)
             if reason is not None:
                 break  # on a stop string, leaving the loop closes gen, which aborts the request
     except EngineError as e:

@@ -1,0 +1,70 @@
+"""DP=2 under torchrun with every image request on rank 0, one of whose images comes from a
+slow source: rank 0 votes "unfinished" while its requests wait for the image worker, rank 1
+runs placeholder steps meanwhile, both take the same number of steps, and every output
+equals transformers' (as at DP=1)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes
+
+HERE = Path(__file__).resolve().parent
+DELAY_S = 2.0
+TOKENS = 5
+
+
+class _Slow(http.server.BaseHTTPRequestHandler):
+    body = png_bytes(make_image(50))
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        time.sleep(DELAY_S)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_images_keeps_the_group_stepping(tmp_path_factory, tmp_path):
+    model = build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny-llava")
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "dp_images_rank.py"), str(model), str(out),
+           f"http://127.0.0.1:{slow.server_address[1]}/slow.png", str(TOKENS)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        slow.shutdown()
+        slow.server_close()
+    assert proc.returncode == 0, stderr[-3000:]
+    result = json.loads(out.read_text())
+    hf = HFReference(model)
+    expected = [[hf.greedy("USER: <image>\nwhat is it? ASSISTANT:", [make_image(50)], TOKENS),
+                 hf.greedy("USER: <image>\nand this? ASSISTANT:", [make_image(7)], TOKENS)],
+                [hf.greedy("USER: just text ASSISTANT:", [], TOKENS)]]
+    assert result["tokens"] == expected
+    rank0, rank1 = result["stats"]
+    assert rank0["generate_step"] == rank1["generate_step"]
+    assert rank0["images_processed"] == 2 and rank1["images_processed"] == 0
+    assert rank0["image_wait_time_s"] >= DELAY_S * 0.9
+    # rank 1 finished its short request, then stepped (placeholders) until rank 0's were done
+    assert rank1["placeholder_steps"] > 0
