@@ -33,11 +33,14 @@ from typing import Literal
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 AuthMode = Literal["auto", "on", "off"]
 ROUTER, RANK, CLIENT = "router", "rank", "client"
 ROLES = (ROUTER, RANK, CLIENT)
+# a peer that does not speak CURVE to the socket's key (plain ZeroMQ, a wrong server key)
+FAILED_HANDSHAKE = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 @dataclass(frozen=True)
@@ -96,26 +99,59 @@ class _ZapHandler:
     """The ZAP handler of one context, on a thread of its own: a CURVE peer is admitted to a
     socket whose ZAP domain lists its role ("rank", "client,router"...), and its frames carry
     the role as their User-Id. A plain poll loop (pyzmq's ThreadAuthenticator runs an asyncio
-    poller whose stop() could wait forever, an API server then killed at its exit deadline)."""
+    poller whose stop() could wait forever, an API server then killed at its exit deadline).
+    The same loop reads the bound sockets' monitors: a handshake that fails before ZAP is asked
+    (a plain ZeroMQ peer, CURVE without this socket's public key) is counted there."""
 
     def __init__(self, ctx: zmq.Context, key: ClusterKey, plane: DataPlane) -> None:
         self._key, self._plane = key, plane
         self._sock = ctx.socket(zmq.REP)
         self._sock.linger = 0
         self._sock.bind("inproc://zeromq.zap.01")
+        self._new_monitors: list[zmq.Socket] = []  # handed over by bound(), taken by the thread
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="data-plane-zap", daemon=True)
         self._thread.start()
 
+    def watch(self, sock: zmq.Socket) -> None:
+        """Counts `sock`'s failed handshakes from now on."""
+        monitor = sock.get_monitor_socket(FAILED_HANDSHAKE | zmq.EVENT_MONITOR_STOPPED)
+        with self._lock:
+            self._new_monitors.append(monitor)
+
     def _run(self) -> None:
+        poller, monitors = zmq.Poller(), []
+        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            msg = self._sock.recv_multipart()
-            version, request_id = (msg + [b"", b""])[:2]
-            role = self._admit(msg)
-            self._sock.send_multipart([version, request_id, b"200" if role else b"400",
-                                       b"OK" if role else b"refused", (role or "").encode(), b""])
+            with self._lock:
+                new, self._new_monitors = self._new_monitors, []
+            for monitor in new:
+                poller.register(monitor, zmq.POLLIN)
+            monitors += new
+            for sock, _ in poller.poll(100):
+                if sock is self._sock:
+                    self._answer()
+                elif self._on_event(sock):  # its socket closed
+                    poller.unregister(sock)
+                    monitors.remove(sock)
+                    sock.close(linger=0)
+        for monitor in monitors + self._new_monitors:
+            monitor.close(linger=0)
+
+    def _answer(self) -> None:
+        msg = self._sock.recv_multipart()
+        version, request_id = (msg + [b"", b""])[:2]
+        role = self._admit(msg)
+        self._sock.send_multipart([version, request_id, b"200" if role else b"400",
+                                   b"OK" if role else b"refused", (role or "").encode(), b""])
+
+    def _on_event(self, monitor: zmq.Socket) -> bool:
+        """Counts a failed handshake; True once the monitored socket has closed."""
+        event = recv_monitor_message(monitor)["event"]
+        if event & FAILED_HANDSHAKE:
+            self._plane.failed_handshakes += 1
+        return event == zmq.EVENT_MONITOR_STOPPED
 
     def _admit(self, msg: list[bytes]) -> str | None:
         """The peer's role if it may connect to the socket, else None (counted and logged)."""
@@ -144,6 +180,7 @@ class DataPlane:
         self.key, self.role = key, role
         self.ctx = zmq.Context()
         self.refused = 0  # handshakes refused by the ZAP handler
+        self.failed_handshakes = 0  # handshakes that failed before it was asked
         self._auth: _ZapHandler | None = None
         if key is not None:
             key.pair(role)  # fails now, not at the first socket, if the role's key is missing
@@ -162,6 +199,7 @@ class DataPlane:
             sock.zap_domain = ",".join(sorted(admit)).encode()
             sock.curve_server = True
             sock.curve_secretkey = self.key.pair(self.role)[1]
+            self._auth.watch(sock)
         if port:
             sock.bind(f"tcp://{host}:{port}")
         else:

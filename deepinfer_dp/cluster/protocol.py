@@ -138,6 +138,7 @@ class RequestError(msgspec.Struct, tag=True):
 class StatsReply(msgspec.Struct, tag=True):
     query_id: int
     stats: list[dict[str, Any]]  # one per rank, in rank order
+    router: dict[str, int] = {}  # the router's own counters: its dropped frames (Router.dropped_frames)
 
 
 class HealthReply(msgspec.Struct, tag=True):

@@ -201,7 +201,8 @@ class RankServer:
 
     def stats(self) -> dict:
         return {**self.loop.stats(), "dp_rank": self.dp_rank, "wave": self.wave, "waves_run": self.waves_run,
-                "dropped_frames": self._inbox.total_dropped(), "refused_handshakes": self._plane.refused}
+                "dropped_frames": self._inbox.total_dropped(), "refused_handshakes": self._plane.refused,
+                "failed_handshakes": self._plane.failed_handshakes}
 
     def _send(self, msg) -> None:
         self._outbox.send(p.encoder.encode(msg))

@@ -103,7 +103,7 @@ class Router:
                     self._drain(self._backend, self._on_rank_message)
                 if self._frontend.socket in ready:
                     self._drain(self._frontend, self._on_client_message)
-                for client_id, reply in self.stats.ready(self.membership.health()):
+                for client_id, reply in self.stats.ready(self.membership.health(), self.dropped_frames()):
                     self._to_client(client_id, reply)
                 if time.monotonic() - last_sweep > 1.0:
                     last_sweep = time.monotonic()
@@ -125,7 +125,7 @@ class Router:
         """Frames the router's two sockets dropped, and handshakes its ZAP handler refused."""
         return {"malformed": self._frontend.dropped["malformed"] + self._backend.dropped["malformed"],
                 "unauthorized": self._frontend.dropped["unauthorized"] + self._backend.dropped["unauthorized"],
-                "refused_handshakes": self._plane.refused}
+                "refused_handshakes": self._plane.refused, "failed_handshakes": self._plane.failed_handshakes}
 
     # ---- from the clients --------------------------------------------------------------------
     def _on_client_message(self, msg, raw: bytes) -> None:

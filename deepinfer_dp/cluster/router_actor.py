@@ -6,6 +6,7 @@ reconnect by themselves, asks each rank for its address and wave, and serves on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -77,8 +78,12 @@ class RouterActor:
         self.router = self._make_router()
         self.spec, self.infos, self.actors = spec, infos, list(actors)
         with self._spare_lock:
-            self.spare = spare
-            self._spare_warm = spare.warm.remote() if spare is not None else None
+            # The old router started the spare, so Ray ended it with its owner (as it does any
+            # rank that router restarted): a new one now, or the next dead rank waits for a cold start.
+            if spare is not None:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(spare, no_restart=True)
+            self._new_spare()
         up = [info["pid"] >= 0 for info in infos]
         logger.warning("router restarted: ranks up %s", up)
         self.router.attach_ranks([i["address"] for i in infos], liveness=self, up=up,

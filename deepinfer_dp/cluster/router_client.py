@@ -67,6 +67,7 @@ class RouterClient:
         self._router_timeout_s = router_timeout_s
         self._last_heard = time.monotonic()
         self._last_health: list[dict] = []
+        self._router_dropped: dict[str, int] = {}  # the router's, as its last stats reply gave them
         self._router_id = ""  # the router process's, from its health replies
         self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
@@ -98,11 +99,17 @@ class RouterClient:
         reply = self._call(lambda qid: p.StatsQuery(qid, self.client_id), timeout_s)
         if reply is None:
             raise NoCapacity(f"the router did not answer a stats query within {timeout_s:.0f}s")
+        self._router_dropped = reply.router
         return reply.stats
 
     def dropped_frames(self) -> dict[str, int]:
         """Frames this client's inbox dropped (malformed, wrong sender), handshakes it refused."""
-        return {**self._inbox.dropped, "refused_handshakes": self._plane.refused}
+        return {**self._inbox.dropped, "refused_handshakes": self._plane.refused,
+                "failed_handshakes": self._plane.failed_handshakes}
+
+    def data_plane_drops(self) -> dict[str, dict[str, int]]:
+        """This client's dropped frames and the router's (as of the last stats query), for /metrics."""
+        return {"client": self.dropped_frames(), "router": dict(self._router_dropped)}
 
     def router_down(self) -> bool:
         return time.monotonic() - self._last_heard > self._router_timeout_s

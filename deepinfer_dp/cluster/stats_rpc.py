@@ -43,8 +43,9 @@ class StatsQueries:
             query.got[msg.dp_rank] = {"up": True, **msg.stats}
             query.waiting_for.discard(msg.dp_rank)
 
-    def ready(self, health: list[dict]) -> list[tuple[str, p.StatsReply]]:
-        """(client, reply) for every query complete or past its deadline."""
+    def ready(self, health: list[dict], router: dict[str, int]) -> list[tuple[str, p.StatsReply]]:
+        """(client, reply) for every query complete or past its deadline; `router`: the
+        router's own counters, sent along."""
         now, done = time.monotonic(), []
         for qid, q in list(self._queries.items()):
             if q.waiting_for and now < q.deadline:
@@ -52,5 +53,5 @@ class StatsQueries:
             del self._queries[qid]
             stats = [q.got.get(h["dp_rank"], {"dp_rank": h["dp_rank"], "up": h["up"], "down_reason": h["reason"]})
                      for h in health]
-            done.append((q.client_id, p.StatsReply(q.client_query_id, stats)))
+            done.append((q.client_id, p.StatsReply(q.client_query_id, stats, router)))
         return done

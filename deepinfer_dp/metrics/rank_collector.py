@@ -45,6 +45,10 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
      "Requests finished with an error inside the engine; the engine kept serving the others."),
     ("data_plane_dropped_frames", "counter", "dropped_frames",
      "Data-plane frames the rank dropped: they did not decode, or came from a peer that may not send them."),
+    ("data_plane_refused_handshakes", "counter", "refused_handshakes",
+     "Connections to the rank's data-plane socket refused at the handshake (no key, or a role that may not send)."),
+    ("data_plane_failed_handshakes", "counter", "failed_handshakes",
+     "Connections to the rank's data-plane socket whose handshake failed (plain ZeroMQ, a wrong server key)."),
     # speculative decoding, as vLLM names it (zero when it is off)
     ("spec_decode_num_drafts", "counter", "spec_decode_num_drafts", "Draft runs verified (one per sequence and step)."),
     ("spec_decode_num_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Draft tokens verified."),
@@ -111,7 +115,32 @@ class RankStatsCollector(Collector):
             restarts.add_metric([str(rank["dp_rank"])], float(rank.get("restarts", 0)))
         yield up
         yield restarts
+        yield from drop_families(self.client)
         yield from moe_families(stats)
+
+
+DROP_REASONS = {"malformed": "did not decode", "unauthorized": "a message its sender's role may not send",
+                "refused_handshakes": "a connection refused at the handshake (no key, or a role that may not send)",
+                "failed_handshakes": "a handshake that failed (plain ZeroMQ, CURVE without the socket's key)"}
+
+
+def drop_families(client: Any) -> Iterator[Metric]:
+    """What the router and this process's router client refused on the data plane (none for an
+    in-process engine): frames that did not decode, messages from a role that may not send them
+    (a forged Shutdown or Reform), connections refused at the CURVE handshake. The router's
+    come with its last stats reply, so they are as fresh as the ranks' series above."""
+    drops = getattr(client, "data_plane_drops", None)
+    if drops is None:
+        return
+    family = CounterMetricFamily(PREFIX + "data_plane_drops", "What a data-plane socket refused, by process "
+                                 "(router, client: the API server that answered this scrape) and reason: "
+                                 + "; ".join(f"{k}: {v}" for k, v in DROP_REASONS.items()) + ".",
+                                 labels=["process", "reason"])
+    for process, counts in drops().items():
+        for reason in DROP_REASONS:
+            if reason in counts:
+                family.add_metric([process, reason], float(counts[reason]))
+    yield family
 
 
 def moe_families(stats: list[dict]) -> Iterator[Metric]:

@@ -5,13 +5,14 @@ deployment (the router's two, each rank's, each API server's) and sends each of 
 well-formed forged messages (Shutdown, Reform, AddRequest, Deltas, a HealthReply saying every
 rank is down...), over plain sockets and over CURVE with a key pair of its own, again and
 again while streaming requests run. Nothing dies, the streams equal a run without the attack,
-and /health stays ok throughout."""
+/health stays ok throughout, and /metrics counts the failed handshakes of every process."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
@@ -134,6 +135,19 @@ def _health_ok(url: str) -> bool:
     return r.status_code == 200 and r.json()["status"] == "ok" and not any(x["restarts"] for x in r.json()["ranks"])
 
 
+def _failed_handshakes(metrics: str) -> dict[str, float]:
+    """Connections whose handshake failed, by process, from a /metrics page."""
+    found = {}
+    for line in metrics.splitlines():
+        m = re.match(r'deepinfer:data_plane_drops_total\{process="(\w+)",reason="failed_handshakes"\} (\S+)', line)
+        if m:
+            found[m[1]] = float(m[2])
+        m = re.match(r'deepinfer:data_plane_failed_handshakes_total\{dp_rank="(\d+)"\} (\S+)', line)
+        if m:
+            found[f"rank {m[1]}"] = float(m[2])
+    return found
+
+
 @pytest.mark.slow
 def test_garbage_and_forged_frames_on_every_port_change_nothing(tmp_path):
     model = tiny_model_dir(tmp_path / "models")
@@ -173,6 +187,10 @@ def test_garbage_and_forged_frames_on_every_port_change_nothing(tmp_path):
         after = deployment_processes(proc.pid)
         assert sorted(q.pid for group in after.values() for q in group) == pids  # nothing died or restarted
         assert asyncio.run(streams(url)) == reference
+        # /metrics counts the failed handshakes: the router's, the answering API server's, every rank's
+        failed = _failed_handshakes(httpx.get(url + "/metrics", timeout=30).text)
+        assert failed["router"] > 0 and failed["client"] > 0, failed
+        assert [failed[f"rank {r}"] > 0 for r in (0, 1)] == [True, True], failed
     finally:
         code = stop_serve_command(proc)
     assert code == 0, proc.stderr.read()[-3000:]

@@ -17,6 +17,7 @@ from test_router import PARAMS, _outcome, cluster
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import CLIENT, RANK, ROUTER, ClusterKey, DataPlane
 from deepinfer_dp.cluster.inbox import Inbox
+from deepinfer_dp.metrics.rank_collector import drop_families
 from deepinfer_dp.sampling_params import SamplingParams
 
 HUGE = 32 * 2**20
@@ -70,6 +71,10 @@ def test_router_and_clients_drop_garbage_and_serve_on():
             _wait_for(lambda: router.dropped_frames()["malformed"] == 2 * n, "the router did not drop them all")
             _wait_for(lambda: a.dropped_frames()["malformed"] == n, "the client did not drop them all")
             assert router.dropped_frames()["unauthorized"] == 0
+            a.query_stats()  # /metrics asks the same: the router's counters come with the reply
+            drops = {tuple(s.labels.values()): s.value for f in drop_families(a) for s in f.samples}
+            assert drops[("router", "malformed")] == 2 * n and drops[("client", "malformed")] == n, drops
+            assert drops[("router", "unauthorized")] == drops[("client", "unauthorized")] == 0, drops
             for c in (a, b):
                 for i in range(4):
                     q = queue.Queue()
