@@ -1,13 +1,13 @@
 """The lean CPU decode loop (models/llama_cpu_decode.py) gives every float the module path
 gives: the hidden states of every step, compared bit for bit with the loop on and off, for
-fp32 weights (CpuLinear), packed weights, q/k/v bias, tied embeddings and GQA; and it stays
-out of the way of models it does not cover."""
+fp32 weights (CpuLinear), packed weights, q/k/v bias, tied embeddings, GQA and a sliding
+window; and it stays out of the way of models it does not cover."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import build_tiny_model, prompts_of_lengths, token_ids
+from model_utils import build_tiny_model, prompts_of_lengths, tiny_config, token_ids, write_tiny_model
 from test_packed_models import quantized_copy
 
 from deepinfer_dp import LLM, SamplingParams
@@ -34,11 +34,20 @@ def hidden_per_step(model_dir: str, monkeypatch, enabled: bool, threads: int, **
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral", "q4_1"])
+def windowed_mistral(vocab_size: int):
+    """The tiny Mistral with a sliding window of 8: the 40-token prompt and the outputs pass it."""
+    config = tiny_config("mistral", vocab_size)
+    config.sliding_window = 8
+    return config
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral", "mistral-window", "q4_1"])
 def test_decode_loop_equals_the_modules_bit_for_bit(kind, tmp_path_factory, monkeypatch):
     root = tmp_path_factory.mktemp("cpu_decode")
     if kind == "q4_1":
         model_dir = quantized_copy("llama-gqa", root, {"proj": "q4_1"})
+    elif kind == "mistral-window":
+        model_dir = str(write_tiny_model(windowed_mistral, root / kind))
     else:
         model_dir = str(build_tiny_model(kind, root / kind))
     threads = 2
