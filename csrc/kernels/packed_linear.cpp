@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_linear.h"
 #include "cpu_linear.h"
 #include "packed_blocks.h"
 #include "packed_linear_avx512.h"
@@ -111,6 +112,7 @@ void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, floa
     case WeightFormat::kQ4_0: return few_inputs<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return few_inputs<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return few_inputs<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 
@@ -131,6 +133,8 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
                             std::min(block, M - m), n_begin, n_end);
     return;
   }
+  if (w.format == WeightFormat::kBF16Pairs)  // bf16 arithmetic, not widened
+    return bf16_pairs_columns(x, w, bias, y, M, n_begin, n_end, bf16_dot_default_path());
 #ifdef DEEPINFER_PACKED_AVX2
   if (fused_ok(w)) {
     if (packed_avx512_enabled())

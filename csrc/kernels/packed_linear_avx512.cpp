@@ -191,6 +191,7 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
     case WeightFormat::kQ4_0: return few_rows<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return few_rows<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return few_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 
@@ -201,6 +202,7 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
     case WeightFormat::kQ4_0: return many_rows<Q4_0>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ4_1: return many_rows<Q4_1>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,

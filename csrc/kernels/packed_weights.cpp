@@ -3,6 +3,7 @@
 #include <cstring>
 #include <utility>
 
+#include "bf16_linear.h"
 #include "packed_blocks.h"
 
 namespace deepinfer {
@@ -75,6 +76,7 @@ void widen_scalar(const PackedMatrix &w, const uint8_t *row, float *out) {
         for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(row[2 + j]));
       }
       break;
+    case WeightFormat::kBF16Pairs: break;  // widen_row's own
   }
 }
 
@@ -98,6 +100,7 @@ void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
     case WeightFormat::kQ4_0: return widen_blocks<Q4_0>(row, w.cols, out);
     case WeightFormat::kQ4_1: return widen_blocks<Q4_1>(row, w.cols, out);
     case WeightFormat::kQ8_0: return widen_blocks<Q8_0>(row, w.cols, out);
+    case WeightFormat::kBF16Pairs: return;  // widen_row's own
   }
 }
 
@@ -113,7 +116,7 @@ bool use_avx2() {
 bool packed_format_named(const std::string &name, WeightFormat *format) {
   static const std::pair<const char *, WeightFormat> names[] = {
       {"bf16", WeightFormat::kBF16}, {"q4_0", WeightFormat::kQ4_0}, {"q4_1", WeightFormat::kQ4_1},
-      {"q8_0", WeightFormat::kQ8_0}};
+      {"q8_0", WeightFormat::kQ8_0}, {"bf16_pairs", WeightFormat::kBF16Pairs}};
   for (const auto &n : names)
     if (name == n.first) {
       *format = n.second;
@@ -125,6 +128,7 @@ bool packed_format_named(const std::string &name, WeightFormat *format) {
 size_t packed_row_bytes(WeightFormat format, int cols) {
   if (cols <= 0) return 0;
   if (format == WeightFormat::kBF16) return static_cast<size_t>(cols) * 2;
+  if (format == WeightFormat::kBF16Pairs) return cols % 2 ? 0 : static_cast<size_t>(cols) * 2;
   if (cols % kBlock) return 0;
   const size_t blocks = static_cast<size_t>(cols / kBlock);
   switch (format) {
@@ -135,9 +139,12 @@ size_t packed_row_bytes(WeightFormat format, int cols) {
   }
 }
 
-int packed_block_size(WeightFormat format) { return format == WeightFormat::kBF16 ? 1 : kBlock; }
+int packed_block_size(WeightFormat format) {
+  return format == WeightFormat::kBF16 ? 1 : format == WeightFormat::kBF16Pairs ? 2 : kBlock;
+}
 
 void widen_row(const PackedMatrix &w, int row, float *out) {
+  if (w.format == WeightFormat::kBF16Pairs) return bf16_pairs_widen_row(w, row, out);  // rows interleaved by 16
   const uint8_t *p = w.data + static_cast<size_t>(row) * w.row_bytes;
 #ifdef DEEPINFER_PACKED_AVX2
   if (use_avx2()) return widen_avx2(w, p, out);

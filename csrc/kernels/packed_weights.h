@@ -13,7 +13,8 @@
 
 namespace deepinfer {
 
-enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0 };
+// kBF16Pairs: bf16 in vdpbf16ps's pair layout, computed in bf16 (bf16_linear.h), not widened.
+enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0, kBF16Pairs };
 
 struct PackedMatrix {
   const uint8_t *data;
@@ -22,7 +23,7 @@ struct PackedMatrix {
   WeightFormat format;
 };
 
-// The format called `name` ("bf16", "q4_0", "q4_1", "q8_0"); false for any other name.
+// The format called `name` ("bf16", "q4_0", "q4_1", "q8_0", "bf16_pairs"); false for any other name.
 bool packed_format_named(const std::string &name, WeightFormat *format);
 
 // Bytes one row of `cols` values takes, or 0 when cols does not fit the format's blocks.
