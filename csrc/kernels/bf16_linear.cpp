@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_amx.h"
 #include "packed_linear_avx512.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -194,6 +195,7 @@ bool env_off(const char *name) {
 }  // namespace
 
 bool bf16_dot_path_available(Bf16DotPath path) {
+  if (path == Bf16DotPath::kAmx) return bf16_amx_available();
 #ifdef DEEPINFER_BF16_X86
   static const bool bf16 = __builtin_cpu_supports("avx512bf16");
   if (path == Bf16DotPath::kNative) return bf16 && packed_avx512_enabled();
@@ -204,6 +206,7 @@ bool bf16_dot_path_available(Bf16DotPath path) {
 
 Bf16DotPath bf16_dot_default_path() {
   static const Bf16DotPath path = [] {
+    if (bf16_dot_path_available(Bf16DotPath::kAmx)) return Bf16DotPath::kAmx;
     if (bf16_dot_path_available(Bf16DotPath::kNative) && !env_off("DEEPINFER_DP_BF16_DOT")) return Bf16DotPath::kNative;
     if (bf16_dot_path_available(Bf16DotPath::kWiden512)) return Bf16DotPath::kWiden512;
     return Bf16DotPath::kScalar;
@@ -213,6 +216,7 @@ Bf16DotPath bf16_dot_default_path() {
 
 const char *bf16_dot_path_name(Bf16DotPath path) {
   switch (path) {
+    case Bf16DotPath::kAmx: return "amx";
     case Bf16DotPath::kNative: return "native";
     case Bf16DotPath::kWiden512: return "widen512";
     case Bf16DotPath::kScalar: return "scalar";
@@ -252,6 +256,16 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
                         int n_end, Bf16DotPath path) {
   if (M <= 0 || n_begin >= n_end) return;
   thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
+  if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) {  // whole tiles of 16 rows: the rest zeros
+    const size_t rows16 = (static_cast<size_t>(M) + 15) / 16 * 16, K = w.cols;
+    xb.resize(rows16 * K);
+    bf16_round_rows(x, M, w.cols, xb.data());
+    std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});
+    return bf16_amx_columns(xb.data(), w, bias, y, M, n_begin, n_end);
+  }
+  if (path == Bf16DotPath::kAmx)  // this matrix's path without AMX: fixed per matrix
+    path = bf16_dot_path_available(Bf16DotPath::kNative) ? Bf16DotPath::kNative
+           : bf16_dot_path_available(Bf16DotPath::kWiden512) ? Bf16DotPath::kWiden512 : Bf16DotPath::kScalar;
   xb.resize(static_cast<size_t>(M) * w.cols);
   bf16_round_rows(x, M, w.cols, xb.data());
 #ifdef DEEPINFER_BF16_X86

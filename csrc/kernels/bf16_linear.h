@@ -14,7 +14,7 @@
 // (each add rounded once, the product being exact), with vdpbf16ps's rules: bf16 inputs
 // that are subnormal count as zero and a subnormal sum is flushed to zero. Then + bias.
 // The same floats whatever the row count, the tiling or the thread split, and on every
-// path: without AVX512-BF16 the pairs are widened to fp32 and added the same way.
+// path but AMX: without AVX512-BF16 the pairs are widened to fp32 and added the same way.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,13 @@
 
 namespace deepinfer {
 
-enum class Bf16DotPath { kNative, kWiden512, kScalar };
+// kAmx: AMX tiles (bf16_amx.h; its own floats, for matrices with cols % 32 == 0; others
+// take the next path); kNative: vdpbf16ps; kWiden512 and kScalar: vdpbf16ps's floats.
+enum class Bf16DotPath { kAmx, kNative, kWiden512, kScalar };
 
-// vdpbf16ps where the CPU has it (and DEEPINFER_DP_BF16_DOT is not "0"), else 512-bit
-// widening where AVX-512 is on (packed_avx512_enabled), else scalar code. Read once.
+// AMX where bf16_amx_available(), else vdpbf16ps where the CPU has it (and
+// DEEPINFER_DP_BF16_DOT is not "0"), else 512-bit widening where AVX-512 is on
+// (packed_avx512_enabled), else scalar code. Read once.
 Bf16DotPath bf16_dot_default_path();
 const char *bf16_dot_path_name(Bf16DotPath path);
 // Whether `path` can run on this CPU.

@@ -1,8 +1,10 @@
 """The bf16 product (csrc/kernels/bf16_linear.h): bf16 weights in the pair layout, inputs
 rounded to bf16 as torch rounds, fp32 accumulation in one fixed order per output. Checked
 bit for bit against a NumPy reference that adds in that order, on every path this CPU has
-(vdpbf16ps, its 512-bit widened equal, scalar code), at any row count and thread split; a
-child process with the bf16 instructions (or AVX-512) switched off gets the same floats."""
+that adds so (vdpbf16ps, its 512-bit widened equal, scalar code); a child process with the
+bf16 instructions (or AVX-512) switched off gets the same floats. AMX tiles (bf16_amx.h) add
+in an order of their own: close to the reference, and each row's floats its own at any row
+count and thread split, as on every path."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.layers.packed import PackedLinear, PackedWeight
 
-PATHS = [p for p in ("native", "widen512", "scalar") if p == "scalar" or _C.bf16_dot_path() in ("native", p)]
+# The paths that add in vdpbf16ps's order (AMX has its own: test_amx_*).
+PATHS = [p for p in ("native", "widen512", "scalar") if p in _C.bf16_dot_paths()]
+AMX = "amx" in _C.bf16_dot_paths()
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 
 
@@ -89,16 +93,35 @@ def test_tiny_sums_are_flushed_alike_on_every_path(path):
     assert np.array_equal(run(x, pairs(w), None, path=path), want)
 
 
-def test_rows_do_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("path", ["auto", *PATHS[:1]])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(path):
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(70, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     data = pairs(w)
-    whole = run(x, data, b)
+    whole = run(x, data, b, path=path)
     for threads in (2, 3, 7):  # 3 and 7 cut blocks of 16 rows in two
-        assert np.array_equal(run(x, data, b, threads), whole)
-    for m in (1, 7, 9, 64):
-        assert np.array_equal(run(x[m:m + 1], data, b), whole[m:m + 1])
-        assert np.array_equal(run(x[:m], data, b), whole[:m])
+        assert np.array_equal(run(x, data, b, threads, path=path), whole)
+    for m in (1, 7, 9, 17, 33, 64):
+        assert np.array_equal(run(x[m:m + 1], data, b, path=path), whole[m:m + 1])
+        assert np.array_equal(run(x[:m], data, b, path=path), whole[:m])
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_amx_is_close_to_the_reference_and_deterministic(m):
+    g = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 512, generator=g), torch.randn(96, 512, generator=g) * 0.1, torch.randn(96, generator=g)
+    data = pairs(w)
+    got, want = run(x, data, b, path="amx"), reference(x, w, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.array_equal(run(x, data, b, path="amx"), got)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+def test_amx_leaves_columns_not_a_multiple_of_32_to_the_next_path():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 48, generator=g), torch.randn(32, 48, generator=g)
+    assert np.array_equal(run(x, pairs(w), None, path="amx"), run(x, pairs(w), None, path=PATHS[0]))
 
 
 def test_engine_entry_and_module_give_the_same_floats():
@@ -137,12 +160,14 @@ np.save(sys.argv[3], out)
 """
 
 
-@pytest.mark.parametrize("env, path", [({"DEEPINFER_DP_BF16_DOT": "0"}, "widen512"),
+@pytest.mark.parametrize("env, path", [({"DEEPINFER_DP_BF16_AMX": "0"}, "native"),
+                                       ({"DEEPINFER_DP_BF16_AMX": "0", "DEEPINFER_DP_BF16_DOT": "0"}, "widen512"),
                                        ({"DEEPINFER_DP_PACKED_AVX512": "0"}, "scalar")])
 def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path):
-    """The switches are read once per process, so each runs in a child."""
-    if path == "widen512" and _C.bf16_dot_path() == "scalar":
-        pytest.skip("no AVX-512 on this CPU")
+    """The switches are read once per process, so each runs in a child; its default path
+    gives the floats of that path here."""
+    if path not in _C.bf16_dot_paths():
+        pytest.skip(f"no {path} path on this CPU")
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(19, 256, generator=g), torch.randn(64, 256, generator=g)
     data = pairs(w)
@@ -152,7 +177,7 @@ def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path)
                            str(tmp_path / "y.npy")], env={**os.environ, **env}, check=True, timeout=120,
                           capture_output=True, text=True)
     assert done.stdout.strip() == path
-    assert np.array_equal(np.load(tmp_path / "y.npy"), run(x, data, None))
+    assert np.array_equal(np.load(tmp_path / "y.npy"), run(x, data, None, path=path))
 
 
 @pytest.mark.parametrize("call, match", [
