@@ -143,6 +143,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
+        # bf16_pairs always takes its kernel: a widened GEMM would compute in fp32, not bf16.
         if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant() and self.weight_packed.format != "bf16_pairs":
             out = self._widened_gemm(x2)
         else:
