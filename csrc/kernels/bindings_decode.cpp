@@ -147,11 +147,12 @@ class DecodeStack {
       keep_.push_back(w);
     } else {
       WeightFormat f;
-      need(packed_format_named(format, &f), what + "unknown format '" + format + "' (f32, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k-q6_k)");
+      need(packed_format_named(format, &f), what + "unknown format '" + format + "' (f32, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k-q6_k, bf16_pairs)");
       const auto w = spec[0].cast<py::array_t<uint8_t, py::array::c_style>>();
       const size_t row_bytes = packed_row_bytes(f, in);
       need(row_bytes > 0 && w.ndim() == 2 && w.shape(0) == out && static_cast<size_t>(w.shape(1)) == row_bytes,
            what + "packed weight must be [" + std::to_string(out) + ", " + std::to_string(row_bytes) + "] uint8");
+      need(f != WeightFormat::kBF16Pairs || out % 16 == 0, what + "bf16_pairs rows must be a multiple of 16");
       l.matrix = PackedMatrix{w.data(), out, in, row_bytes, f};
       keep_.push_back(w);
     }

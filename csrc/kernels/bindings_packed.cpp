@@ -30,7 +30,7 @@ WeightFormat parse_format(const std::string &name, const char *op) {
   WeightFormat f;
   if (packed_format_named(name, &f)) return f;
   throw py::value_error(std::string(op) + ": unknown weight format '" + name +
-                        "' (bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)");
+                        "' (bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, bf16_pairs)");
 }
 
 // The matrix behind `weight` [rows, row_bytes] uint8, checked against format and cols.
@@ -42,6 +42,7 @@ PackedMatrix matrix(const U8 &weight, const std::string &format, int cols, const
   need(static_cast<size_t>(weight.shape(1)) == row_bytes, op,
        "weight rows hold " + std::to_string(weight.shape(1)) + " bytes, " + format + " x " + std::to_string(cols) +
            " needs " + std::to_string(row_bytes));
+  need(f != WeightFormat::kBF16Pairs || weight.shape(0) % 16 == 0, op, "bf16_pairs rows must be a multiple of 16");
   return PackedMatrix{weight.data(), static_cast<int>(weight.shape(0)), cols, row_bytes, f};
 }
 

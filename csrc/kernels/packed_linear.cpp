@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_linear.h"
 #include "cpu_linear.h"
 #include "packed_blocks.h"
 #include "packed_blocks_kquant.h"
@@ -125,6 +126,7 @@ void fused_inputs(const float *x, const PackedMatrix &w, const float *bias, floa
     case WeightFormat::kQ4_K: return few_inputs<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return few_inputs<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return few_inputs<Q6_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 
@@ -145,6 +147,8 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
                             std::min(block, M - m), n_begin, n_end);
     return;
   }
+  if (w.format == WeightFormat::kBF16Pairs)  // bf16 arithmetic, not widened
+    return bf16_pairs_columns(x, w, bias, y, M, n_begin, n_end, bf16_dot_default_path());
 #ifdef DEEPINFER_PACKED_AVX2
   if (fused_ok(w)) {
     if (packed_avx512_enabled())

@@ -210,6 +210,7 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
     case WeightFormat::kQ4_K: return few_rows<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return few_rows<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return few_rows<Q6_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 
@@ -227,6 +228,7 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
     case WeightFormat::kQ4_K: return many_rows<Q4_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ5_K: return many_rows<Q5_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kQ6_K: return many_rows<Q6_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,

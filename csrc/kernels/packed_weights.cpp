@@ -3,6 +3,7 @@
 #include <cstring>
 #include <utility>
 
+#include "bf16_linear.h"
 #include "packed_blocks.h"
 #include "packed_blocks_kquant.h"
 
@@ -153,6 +154,7 @@ void widen_scalar(const PackedMatrix &w, const uint8_t *row, float *out) {
         for (int j = 0; j < kBlock; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(row[2 + j]));
       }
       break;
+    case WeightFormat::kBF16Pairs: break;  // widen_row's own
     default: return widen_more_scalar(w, row, out);
   }
 }
@@ -188,6 +190,7 @@ void widen_avx2(const PackedMatrix &w, const uint8_t *row, float *out) {
     case WeightFormat::kQ4_K: return widen_blocks<Q4_K>(row, w.cols, out);
     case WeightFormat::kQ5_K: return widen_blocks<Q5_K>(row, w.cols, out);
     case WeightFormat::kQ6_K: return widen_blocks<Q6_K>(row, w.cols, out);
+    case WeightFormat::kBF16Pairs: return;  // widen_row's own
   }
 }
 
@@ -204,7 +207,8 @@ bool packed_format_named(const std::string &name, WeightFormat *format) {
   static const std::pair<const char *, WeightFormat> names[] = {
       {"bf16", WeightFormat::kBF16}, {"q4_0", WeightFormat::kQ4_0}, {"q4_1", WeightFormat::kQ4_1},
       {"q8_0", WeightFormat::kQ8_0}, {"q5_0", WeightFormat::kQ5_0}, {"q5_1", WeightFormat::kQ5_1},
-      {"q2_k", WeightFormat::kQ2_K}, {"q3_k", WeightFormat::kQ3_K}, {"q4_k", WeightFormat::kQ4_K}, {"q5_k", WeightFormat::kQ5_K}, {"q6_k", WeightFormat::kQ6_K}};
+      {"q2_k", WeightFormat::kQ2_K}, {"q3_k", WeightFormat::kQ3_K}, {"q4_k", WeightFormat::kQ4_K}, {"q5_k", WeightFormat::kQ5_K}, {"q6_k", WeightFormat::kQ6_K},
+      {"bf16_pairs", WeightFormat::kBF16Pairs}};
   for (const auto &n : names)
     if (name == n.first) {
       *format = n.second;
@@ -216,6 +220,7 @@ bool packed_format_named(const std::string &name, WeightFormat *format) {
 size_t packed_row_bytes(WeightFormat format, int cols) {
   if (cols <= 0) return 0;
   if (format == WeightFormat::kBF16) return static_cast<size_t>(cols) * 2;
+  if (format == WeightFormat::kBF16Pairs) return cols % 2 ? 0 : static_cast<size_t>(cols) * 2;
   const int values = packed_block_size(format);
   if (cols % values) return 0;
   const size_t blocks = static_cast<size_t>(cols / values);
@@ -237,6 +242,7 @@ size_t packed_row_bytes(WeightFormat format, int cols) {
 int packed_block_size(WeightFormat format) {
   switch (format) {
     case WeightFormat::kBF16: return 1;
+    case WeightFormat::kBF16Pairs: return 2;
     case WeightFormat::kQ2_K:
     case WeightFormat::kQ3_K:
     case WeightFormat::kQ4_K:
@@ -247,6 +253,7 @@ int packed_block_size(WeightFormat format) {
 }
 
 void widen_row(const PackedMatrix &w, int row, float *out) {
+  if (w.format == WeightFormat::kBF16Pairs) return bf16_pairs_widen_row(w, row, out);  // rows interleaved by 16
   const uint8_t *p = w.data + static_cast<size_t>(row) * w.row_bytes;
 #ifdef DEEPINFER_PACKED_AVX2
   if (use_avx2()) return widen_avx2(w, p, out);

@@ -16,7 +16,8 @@
 
 namespace deepinfer {
 
-enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
+// kBF16Pairs: bf16 in vdpbf16ps's pair layout, computed in bf16 (bf16_linear.h), not widened.
+enum class WeightFormat { kBF16, kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kBF16Pairs };
 
 struct PackedMatrix {
   const uint8_t *data;
@@ -26,7 +27,7 @@ struct PackedMatrix {
 };
 
 // The format called `name` ("bf16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k",
-// "q4_k", "q5_k", "q6_k"); false for any other name.
+// "q4_k", "q5_k", "q6_k", "bf16_pairs"); false for any other name.
 bool packed_format_named(const std::string &name, WeightFormat *format);
 
 // Bytes one row of `cols` values takes, or 0 when cols does not fit the format's blocks.

@@ -28,10 +28,12 @@ from torch import nn
 from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
 
-# format -> (values per block, bytes per block), as ggml lays them out.
+# format -> (values per block, bytes per block), as ggml lays them out. "bf16_pairs" is bf16
+# computed in bf16 (`_C.bf16_linear`'s layout: rows interleaved by 16, columns by pairs).
 FORMATS = {"bf16": (1, 2), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
            "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176),
-           "q6_k": (256, 210)}
+           "q6_k": (256, 210), "bf16_pairs": (2, 4)}
+PAIR_ROWS = 16  # a bf16_pairs matrix's rows come in blocks of this many
 
 # Formats whose every value is its block's fp16 scale times an integer in [-128, 127], in
 # blocks of 32: Q8_0 holds their values exactly (see PackedWeight.as_q8_0).
@@ -66,6 +68,8 @@ class PackedWeight:
             raise ValueError(f"{self.format} matrix of {self.cols} columns: want C-contiguous uint8 "
                              f"[rows, {self.cols // max(values, 1) * nbytes}], got {self.data.dtype} "
                              f"{list(self.data.shape)}")
+        if self.format == "bf16_pairs" and self.rows % PAIR_ROWS:
+            raise ValueError(f"bf16_pairs matrix of {self.rows} rows: want a multiple of {PAIR_ROWS}")
 
     @property
     def rows(self) -> int:
@@ -81,6 +85,24 @@ class PackedWeight:
             raise ValueError(f"want a 2-D bf16 tensor, got {tensor.dtype} {list(tensor.shape)}")
         raw = tensor.contiguous().view(torch.int16).numpy().view(np.uint8)
         return cls(np.ascontiguousarray(raw), "bf16", tensor.shape[1])
+
+    @staticmethod
+    def fits_pairs(rows: int, cols: int) -> bool:
+        """Whether a [rows, cols] matrix can take the bf16_pairs layout."""
+        return rows % PAIR_ROWS == 0 and cols % 2 == 0 and cols > 0
+
+    def to_bf16_pairs(self) -> PackedWeight:
+        """This matrix for bf16 arithmetic: its bf16 values (other formats widened, then
+        rounded to bf16 as torch rounds) in the pair layout, 64-byte aligned."""
+        if self.format == "bf16_pairs":
+            return self
+        if self.format == "bf16":
+            bits = self.data.view(np.uint16)
+        else:
+            bits = self.widen().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        out = _aligned_bytes(self.rows, 2 * self.cols)
+        _C.bf16_pairs_pack(bits, out)
+        return PackedWeight(out, "bf16_pairs", self.cols)
 
     @classmethod
     def concat(cls, parts: list[PackedWeight]) -> PackedWeight:
@@ -117,6 +139,13 @@ class PackedWeight:
         return out
 
 
+def _aligned_bytes(rows: int, cols: int) -> np.ndarray:
+    """uint8 [rows, cols] starting on a 64-byte boundary (one cache line a kernel load)."""
+    raw = np.empty(rows * cols + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + rows * cols].reshape(rows, cols)
+
+
 def _widen_buffer(floats: int) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < floats:
@@ -139,7 +168,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
-        if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant():
+        # bf16_pairs always takes its kernel: a widened GEMM would compute in fp32, not bf16.
+        if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant() and self.weight_packed.format != "bf16_pairs":
             out = self._widened_gemm(x2)
         else:
             out = torch.empty(rows, self.out_features)

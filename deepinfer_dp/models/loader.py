@@ -6,7 +6,8 @@ its weights from the checkpoint's files (weights.py).
 GGUF files (the default model is one) are converted once into a Hugging Face-style cache
 directory (see default_model.py) for the config, the tokenizer and fp32 weights. On CPU in
 fp32 the weights are read packed instead (packed_loader.py): GGUF matrices straight from the
-file in their quantized format, bf16 checkpoints kept bf16.
+file in their quantized format, bf16 checkpoints kept bf16. On CPU in bf16 the same packed
+model computes its products in bf16 arithmetic (bf16_compute.py).
 """
 
 import os
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from deepinfer_dp.models.bf16_compute import to_bf16_compute
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.hub import cached_snapshot, is_repo_id, snapshot_model
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
@@ -81,7 +83,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
                revision: str | None = None) -> LoadedModel:
     """Loads `model` (HF directory, .gguf file, a repo id in the local Hugging Face cache at
     `revision`, or None for the default model). With `packed`,
-    a dense CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format; a
+    a dense CPU fp32 model keeps GGUF-quantized and bf16 matrices in their stored format (in
+    bf16, the same model with its products in bf16 arithmetic: bf16_compute.py); a
     mixture-of-experts model loads only the routed experts of `expert_shard` (EP rank, EP size)
     and is always widened (the experts kernel reads fp32). With `mtp`, a DeepSeek-V3's next-n
     layer too (LoadedModel.mtp), for speculative decoding."""
@@ -90,13 +93,15 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     device = torch.device(device)
     cls = model_class(config)
     packable = getattr(cls, "packable", True) and not cls.mixture_of_experts  # (a vision tower is not)
-    if packed and packable and device.type == "cpu" and dtype == torch.float32:
+    if packed and packable and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         if (model_dir / PACKED_FILE).is_file():  # a converted GGUF file
             weights = read_packed_dir(model_dir, safetensors_files(model_dir))
         else:
             weights = pack_bf16(iterate_weights(model_dir))
         net = build_packed_model(cls, config, weights)
         del weights
+        if dtype == torch.bfloat16:
+            to_bf16_compute(net)
         release_freed_memory()  # the parts of fused matrices, which glibc would keep resident
     else:
         net = build_model(config, dtype, device, expert_shard)

@@ -1,0 +1,122 @@
+#include "bf16_amx.h"
+
+#include "packed_linear_avx512.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DEEPINFER_BF16_AMX 1
+#endif
+
+namespace deepinfer {
+
+#ifdef DEEPINFER_BF16_AMX
+namespace {
+
+constexpr int kTile = 16;                   // rows of a tile, and fp32 columns of a C tile
+constexpr int kTileK = 32;                  // bf16 values along K in one A row / B tile
+constexpr long kReqXcompPerm = 0x1023;      // arch_prctl: ask for an XSAVE feature's state
+constexpr long kXfeatureXtiledata = 18;     // AMX's tile data
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#define AMX_KERNEL __attribute__((target("amx-tile,amx-bf16,avx512f")))
+
+// Tiles 0-3: C (2 row tiles x 2 blocks); 4-5: A (the row tiles); 6-7: B (the blocks).
+AMX_KERNEL void configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTile;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The C tile's valid part into y, + bias: rows [m, min(m + 16, M)), outputs [base, base + 16) ∩ [n0, n1).
+void store(const float *c, const float *bias, float *y, int N, int M, int m, int base, int n0, int n1) {
+  const int lo = std::max(n0, base), hi = std::min(n1, base + kTile);
+  for (int r = m; r < std::min(m + kTile, M); ++r) {
+    const float *src = c + (r - m) * kTile;
+    float *dst = y + static_cast<size_t>(r) * N;
+    for (int n = lo; n < hi; ++n) dst[n] = bias ? src[n - base] + bias[n] : src[n - base];
+  }
+}
+
+// Row tiles [m, m + 32) (the second may lie past M: zeros, not stored) x blocks b0, b1.
+AMX_KERNEL void two_by_two(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int m,
+                           int b0, int b1, int n0, int n1) {
+  const int K = w.cols;
+  const size_t stride = static_cast<size_t>(K) * kTile;  // uint16 values per block
+  const uint16_t *w0 = reinterpret_cast<const uint16_t *>(w.data) + b0 * stride;
+  const uint16_t *w1 = reinterpret_cast<const uint16_t *>(w.data) + b1 * stride;
+  const uint16_t *x0 = xb + static_cast<size_t>(m) * K, *x1 = x0 + static_cast<size_t>(kTile) * K;
+  const bool two_rows = m + kTile < M;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int k = 0; k < K; k += kTileK) {
+    _tile_loadd(4, x0 + k, K * 2);
+    _tile_loadd(6, w0 + static_cast<size_t>(k) * kTile, 64);
+    _tile_loadd(7, w1 + static_cast<size_t>(k) * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two_rows) {
+      _tile_loadd(5, x1 + k, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][kTile * kTile];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  store(c[0], bias, y, w.rows, M, m, b0 * kTile, n0, n1);
+  if (b1 != b0) store(c[1], bias, y, w.rows, M, m, b1 * kTile, n0, n1);
+  if (two_rows) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    store(c[2], bias, y, w.rows, M, m + kTile, b0 * kTile, n0, n1);
+    if (b1 != b0) store(c[3], bias, y, w.rows, M, m + kTile, b1 * kTile, n0, n1);
+  }
+}
+
+}  // namespace
+
+bool bf16_amx_available() {
+  static const bool ok = [] {
+    const char *env = std::getenv("DEEPINFER_DP_BF16_AMX");
+    if ((env && std::strcmp(env, "0") == 0) || !packed_avx512_enabled()) return false;
+    unsigned a, b, c, d;  // leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
+                                 int n0, int n1) {
+  configure();
+  const int first = n0 / kTile, end = (n1 + kTile - 1) / kTile;
+  for (int b = first; b < end; b += 2) {  // two blocks' B tiles stay in L1 over all the rows
+    const int b1 = std::min(b + 1, end - 1);
+    for (int m = 0; m < M; m += 2 * kTile) two_by_two(xb, w, bias, y, M, m, b, b1, n0, n1);
+  }
+  _tile_release();
+}
+#else
+bool bf16_amx_available() { return false; }
+void bf16_amx_columns(const uint16_t *, const PackedMatrix &, const float *, float *, int, int, int) {}
+#endif
+
+}  // namespace deepinfer

@@ -1,0 +1,29 @@
+// The bf16 product on AMX tiles (TDPBF16PS: a 16x32 bf16 tile times a 32x16 one, added
+// into a 16x16 fp32 tile), for CPUs with AMX-BF16: measured 890 GFLOP/s on one core of this
+// machine against 107 for vdpbf16ps and 212 for 512-bit fp32 FMA (benchmarks/bf16_kernels.py).
+// The pairs layout is already AMX's B-tile layout: 16 steps of one block of 16 rows are one
+// contiguous 1 KB tile.
+//
+// Every row count takes the same tiles (rows past M are zeros), every output the same tile
+// products in the same K order, so each row's floats are its own whatever the batch or the
+// thread split. They are not vdpbf16ps's floats: TDPBF16PS's internal order is not a
+// sequence of fp32 adds (none of five candidate orders matched it), so a CPU without AMX
+// (bf16_linear.h's paths) differs from it in the last bits.
+#pragma once
+
+#include <cstdint>
+
+#include "packed_weights.h"
+
+namespace deepinfer {
+
+// Whether this process can run AMX-BF16 (the CPU has it, Linux granted the tile state,
+// DEEPINFER_DP_BF16_AMX is not "0" and AVX-512 is on: packed_avx512_enabled). Asked once.
+bool bf16_amx_available();
+
+// y[m, n] for n in [n0, n1) (any bounds) of rounded inputs xb [M16, w.cols] bf16, M16 = M
+// rounded up to 16 with zero rows; w.cols % 32 == 0.
+void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
+                      int n1);
+
+}  // namespace deepinfer

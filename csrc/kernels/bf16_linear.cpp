@@ -1,0 +1,278 @@
+#include "bf16_linear.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "bf16_amx.h"
+#include "packed_linear_avx512.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DEEPINFER_BF16_X86 1
+// One target for both 512-bit paths: the widening instantiation uses no bf16 instruction.
+#define BF16_KERNEL __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma")))
+#endif
+
+namespace deepinfer {
+
+namespace {
+
+constexpr int kLanes = 16;        // rows per block: one 512-bit vector of fp32 outputs
+constexpr int kTileRows = 6;      // input rows per tile from 5 rows on (4 blocks x 6 rows: 24 chains)
+
+uint16_t flush_bf16(uint16_t h) { return (h & 0x7f80) == 0 ? static_cast<uint16_t>(h & 0x8000) : h; }
+
+// c10's round_to_nearest_even, then vdpbf16ps's view of a subnormal.
+uint16_t round_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  return flush_bf16(static_cast<uint16_t>(u >> 16));
+}
+
+float bf16_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float flush_sum(float v) { return std::fabs(v) < FLT_MIN ? std::copysign(0.f, v) : v; }
+
+const uint16_t *block_of(const PackedMatrix &w, int row) {
+  return reinterpret_cast<const uint16_t *>(w.data) + static_cast<size_t>(row / kLanes) * w.cols * kLanes;
+}
+
+// The reference order, one output at a time (CPUs without AVX-512).
+void scalar_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  const int K = w.cols, steps = K / 2;
+  for (int m = 0; m < M; ++m) {
+    const uint16_t *xr = xb + static_cast<size_t>(m) * K;
+    for (int n = n0; n < n1; ++n) {
+      const uint16_t *col = block_of(w, n) + (n % kLanes) * 2;
+      float acc = 0.f;
+      for (int p = 0; p < steps; ++p) {  // the product is exact: fma rounds the sum only
+        acc = flush_sum(std::fma(bf16_float(col[32 * p + 1]), bf16_float(xr[2 * p + 1]), acc));
+        acc = flush_sum(std::fma(bf16_float(col[32 * p]), bf16_float(xr[2 * p]), acc));
+      }
+      y[static_cast<size_t>(m) * w.rows + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+}
+
+#ifdef DEEPINFER_BF16_X86
+// One step of the chain of 16 outputs: vdpbf16ps, or its widened equal (odd pair member
+// first, each sum rounded once and a subnormal one flushed).
+template <bool kNative>
+BF16_KERNEL inline __m512 dot_step(__m512 acc, __m512i w, __m512i x) {
+  if constexpr (kNative) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  } else {
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512 tiny = _mm512_set1_ps(FLT_MIN), sign = _mm512_set1_ps(-0.f);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, hi)),
+                          _mm512_castsi512_ps(_mm512_and_si512(x, hi)), acc);
+    acc = _mm512_mask_and_ps(acc, _mm512_cmp_ps_mask(_mm512_abs_ps(acc), tiny, _CMP_LT_OQ), acc, sign);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+                          _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc);
+    return _mm512_mask_and_ps(acc, _mm512_cmp_ps_mask(_mm512_abs_ps(acc), tiny, _CMP_LT_OQ), acc, sign);
+  }
+}
+
+// NB blocks (from row `first`) against MB input rows: NB x MB chains in registers, each
+// weight vector loaded once per step for all MB rows; the lanes in [n0, n1) are stored.
+template <bool kNative, int NB, int MB>
+BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int first, int n0,
+                      int n1) {
+  const int K = w.cols, steps = K / 2;
+  const size_t stride = static_cast<size_t>(K) * kLanes;  // uint16 values per block
+  const uint16_t *wb = block_of(w, first);
+  __m512 acc[NB][MB];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
+  for (int p = 0; p < steps; ++p) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(wb + b * stride + 32 * p);
+    for (int j = 0; j < MB; ++j) {
+      int pair;
+      std::memcpy(&pair, xb + static_cast<size_t>(j) * K + 2 * p, 4);
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int b = 0; b < NB; ++b) acc[b][j] = dot_step<kNative>(acc[b][j], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int base = first + kLanes * b, lo = std::max(n0 - base, 0), hi = std::min(n1 - base, kLanes);
+    if (lo >= hi) continue;
+    const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + base) : _mm512_setzero_ps();
+    for (int j = 0; j < MB; ++j)
+      _mm512_mask_storeu_ps(y + static_cast<size_t>(j) * w.rows + base, mask,
+                            bias ? _mm512_add_ps(acc[b][j], bv) : acc[b][j]);
+  }
+}
+
+// NB blocks against all M rows, kTileRows at a time (the blocks stay in cache meanwhile).
+template <bool kNative, int NB>
+BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
+                                     int first, int n0, int n1) {
+  const size_t K = w.cols, N = w.rows;
+  int m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) tile<kNative, NB, kTileRows>(xb + m * K, w, bias, y + m * N, first, n0, n1);
+  const uint16_t *xm = xb + m * K;
+  float *ym = y + m * N;
+  switch (M - m) {
+    case 5: return tile<kNative, NB, 5>(xm, w, bias, ym, first, n0, n1);
+    case 4: return tile<kNative, NB, 4>(xm, w, bias, ym, first, n0, n1);
+    case 3: return tile<kNative, NB, 3>(xm, w, bias, ym, first, n0, n1);
+    case 2: return tile<kNative, NB, 2>(xm, w, bias, ym, first, n0, n1);
+    case 1: return tile<kNative, NB, 1>(xm, w, bias, ym, first, n0, n1);
+    default: return;
+  }
+}
+
+// The last `count` (< 8) blocks of a range, as one group.
+template <bool kNative>
+BF16_KERNEL void last_blocks(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int first,
+                             int count, int n0, int n1) {
+  switch (count) {
+    case 7: return blocks_against_rows<kNative, 7>(xb, w, bias, y, M, first, n0, n1);
+    case 6: return blocks_against_rows<kNative, 6>(xb, w, bias, y, M, first, n0, n1);
+    case 5: return blocks_against_rows<kNative, 5>(xb, w, bias, y, M, first, n0, n1);
+    case 4: return blocks_against_rows<kNative, 4>(xb, w, bias, y, M, first, n0, n1);
+    case 3: return blocks_against_rows<kNative, 3>(xb, w, bias, y, M, first, n0, n1);
+    case 2: return blocks_against_rows<kNative, 2>(xb, w, bias, y, M, first, n0, n1);
+    case 1: return blocks_against_rows<kNative, 1>(xb, w, bias, y, M, first, n0, n1);
+    default: return;
+  }
+}
+
+// Blocks per pass: at one or two rows enough chains to cover vdpbf16ps's latency (and
+// weight streams to keep memory busy); from three rows on, 4 blocks x the tile's rows.
+template <bool kNative, int NB>
+BF16_KERNEL void blocks_in_groups(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
+                                  int n0, int n1) {
+  const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
+  int first = n0 / kLanes * kLanes;
+  for (; first + NB * kLanes <= end; first += NB * kLanes)
+    blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1);
+  last_blocks<kNative>(xb, w, bias, y, M, first, (end - first) / kLanes, n0, n1);
+}
+
+template <bool kNative>
+void simd_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+  switch (M) {
+    case 1: return blocks_in_groups<kNative, 8>(xb, w, bias, y, M, n0, n1);
+    case 2: return blocks_in_groups<kNative, 6>(xb, w, bias, y, M, n0, n1);
+    default: return blocks_in_groups<kNative, 4>(xb, w, bias, y, M, n0, n1);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw"))) void round_avx512(const float *x, size_t count, uint16_t *out) {
+  size_t i = 0;
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  for (; i + 16 <= count; i += 16) {
+    const __m512 f = _mm512_loadu_ps(x + i);
+    const __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    r = _mm512_mask_and_epi32(r, _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7f80)), r, _mm512_set1_epi32(0x8000));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < count; ++i) out[i] = round_bf16(x[i]);
+}
+#endif
+
+bool env_off(const char *name) {
+  const char *v = std::getenv(name);
+  return v && std::strcmp(v, "0") == 0;
+}
+
+}  // namespace
+
+bool bf16_dot_path_available(Bf16DotPath path) {
+  if (path == Bf16DotPath::kAmx) return bf16_amx_available();
+#ifdef DEEPINFER_BF16_X86
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  if (path == Bf16DotPath::kNative) return bf16 && packed_avx512_enabled();
+  if (path == Bf16DotPath::kWiden512) return packed_avx512_enabled();
+#endif
+  return path == Bf16DotPath::kScalar;
+}
+
+Bf16DotPath bf16_dot_default_path() {
+  static const Bf16DotPath path = [] {
+    if (bf16_dot_path_available(Bf16DotPath::kAmx)) return Bf16DotPath::kAmx;
+    if (bf16_dot_path_available(Bf16DotPath::kNative) && !env_off("DEEPINFER_DP_BF16_DOT")) return Bf16DotPath::kNative;
+    if (bf16_dot_path_available(Bf16DotPath::kWiden512)) return Bf16DotPath::kWiden512;
+    return Bf16DotPath::kScalar;
+  }();
+  return path;
+}
+
+const char *bf16_dot_path_name(Bf16DotPath path) {
+  switch (path) {
+    case Bf16DotPath::kAmx: return "amx";
+    case Bf16DotPath::kNative: return "native";
+    case Bf16DotPath::kWiden512: return "widen512";
+    case Bf16DotPath::kScalar: return "scalar";
+  }
+  return "?";
+}
+
+void bf16_pairs_pack(const uint16_t *src, int rows, int cols, uint16_t *dst) {
+  for (int n = 0; n < rows; ++n) {
+    uint16_t *col = dst + static_cast<size_t>(n / kLanes) * cols * kLanes + (n % kLanes) * 2;
+    const uint16_t *r = src + static_cast<size_t>(n) * cols;
+    for (int p = 0; p < cols / 2; ++p) {
+      col[32 * p] = flush_bf16(r[2 * p]);
+      col[32 * p + 1] = flush_bf16(r[2 * p + 1]);
+    }
+  }
+}
+
+void bf16_pairs_widen_row(const PackedMatrix &w, int row, float *out) {
+  const uint16_t *col = block_of(w, row) + (row % kLanes) * 2;
+  for (int p = 0; p < w.cols / 2; ++p) {
+    out[2 * p] = bf16_float(col[32 * p]);
+    out[2 * p + 1] = bf16_float(col[32 * p + 1]);
+  }
+}
+
+void bf16_round_rows(const float *x, int M, int cols, uint16_t *out) {
+  const size_t count = static_cast<size_t>(M) * cols;
+#ifdef DEEPINFER_BF16_X86
+  static const bool simd = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (simd) return round_avx512(x, count, out);
+#endif
+  for (size_t i = 0; i < count; ++i) out[i] = round_bf16(x[i]);
+}
+
+void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
+                        int n_end, Bf16DotPath path) {
+  if (M <= 0 || n_begin >= n_end) return;
+  thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
+  if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) {  // whole tiles of 16 rows: the rest zeros
+    const size_t rows16 = (static_cast<size_t>(M) + 15) / 16 * 16, K = w.cols;
+    xb.resize(rows16 * K);
+    bf16_round_rows(x, M, w.cols, xb.data());
+    std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});
+    return bf16_amx_columns(xb.data(), w, bias, y, M, n_begin, n_end);
+  }
+  if (path == Bf16DotPath::kAmx)  // this matrix's path without AMX: fixed per matrix
+    path = bf16_dot_path_available(Bf16DotPath::kNative) ? Bf16DotPath::kNative
+           : bf16_dot_path_available(Bf16DotPath::kWiden512) ? Bf16DotPath::kWiden512 : Bf16DotPath::kScalar;
+  xb.resize(static_cast<size_t>(M) * w.cols);
+  bf16_round_rows(x, M, w.cols, xb.data());
+#ifdef DEEPINFER_BF16_X86
+  if (path == Bf16DotPath::kNative) return simd_columns<true>(xb.data(), w, bias, y, M, n_begin, n_end);
+  if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb.data(), w, bias, y, M, n_begin, n_end);
+#endif
+  scalar_columns(xb.data(), w, bias, y, M, n_begin, n_end);
+}
+
+}  // namespace deepinfer

@@ -1,0 +1,12 @@
+// The peak rate of one core's multiply-add units, measured by a tiny loop: 12 independent
+// chains held in registers (fma_peak.c's loop), of 512-bit fp32 FMAs or of vdpbf16ps. A
+// kernel's GFLOP/s reads against these (benchmarks/bf16_kernels.py).
+#pragma once
+
+namespace deepinfer {
+
+// GFLOP/s of `iters` rounds of 12 instructions over the calling thread's CPU time (a bf16
+// pair product counts 4 FLOPs a lane, an FMA 2); 0 when the CPU lacks the instructions.
+double dot_peak_gflops(bool bf16, long iters);
+
+}  // namespace deepinfer

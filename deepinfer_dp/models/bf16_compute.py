@@ -1,0 +1,44 @@
+"""dtype=bfloat16 on the CPU: the matrix products in bf16 arithmetic, the rest in fp32.
+
+A packed model (packed_loader.py) has its matrices turned into the "bf16_pairs" format:
+bf16 weights (a bf16 checkpoint's as stored; GGUF blocks or fp32 matrices rounded to bf16 as
+torch rounds) laid out for `vdpbf16ps`, so each product rounds its input rows to bf16 and
+accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h). Between the products
+the hidden states stay fp32: RMSNorm, RoPE, softmax and the residual adds run in fp32, as
+vLLM's CPU backend runs them, and the KV cache is bf16 (the runner allocates it in the
+compute dtype; the attention kernel widens it as it reads). The model is still an fp32
+module tree, so the one-call decode stack (llama_cpu_decode.py) takes it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
+
+
+def to_bf16_compute(model: nn.Module) -> int:
+    """Puts every linear layer of `model` (a packed CPU model) on bf16 arithmetic where its
+    shape fits the pair layout (rows a multiple of 16, even columns); returns how many. An
+    embedding that shares its matrix with the lm_head shares the new one."""
+    converted: dict[int, PackedWeight] = {}
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                w = child.weight_packed
+                if PackedWeight.fits_pairs(w.rows, w.cols):
+                    if id(w) not in converted:
+                        converted[id(w)] = w.to_bf16_pairs()
+                    child.weight_packed = converted[id(w)]
+                    count += 1
+            elif isinstance(child, nn.Linear) and PackedWeight.fits_pairs(*child.weight.shape):
+                # a fused projection whose parts differ in format, widened at load
+                bf16 = PackedWeight.from_bf16(child.weight.detach().to(torch.bfloat16)).to_bf16_pairs()
+                setattr(parent, name, PackedLinear(bf16, None if child.bias is None else child.bias.detach()))
+                count += 1
+    for module in model.modules():
+        if isinstance(module, PackedEmbedding) and id(module.weight_packed) in converted:
+            module.weight_packed = converted[id(module.weight_packed)]
+    return count

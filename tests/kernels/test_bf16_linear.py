@@ -1,0 +1,193 @@
+"""The bf16 product (csrc/kernels/bf16_linear.h): bf16 weights in the pair layout, inputs
+rounded to bf16 as torch rounds, fp32 accumulation in one fixed order per output. Checked
+bit for bit against a NumPy reference that adds in that order, on every path this CPU has
+that adds so (vdpbf16ps, its 512-bit widened equal, scalar code); a child process with the
+bf16 instructions (or AVX-512) switched off gets the same floats. AMX tiles (bf16_amx.h) add
+in an order of their own: close to the reference, and each row's floats its own at any row
+count and thread split, as on every path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_dp import _C
+from deepinfer_dp.layers.packed import PackedLinear, PackedWeight
+
+# The paths that add in vdpbf16ps's order (AMX has its own: test_amx_*).
+PATHS = [p for p in ("native", "widen512", "scalar") if p in _C.bf16_dot_paths()]
+AMX = "amx" in _C.bf16_dot_paths()
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+
+def bf16_values(t: torch.Tensor) -> np.ndarray:
+    """fp32 -> bf16 as torch rounds, subnormals made zeros (vdpbf16ps reads them so), as fp32."""
+    v = t.to(torch.bfloat16).to(torch.float32).numpy()
+    return np.where(np.abs(v) < FLT_MIN, np.copysign(np.float32(0), v), v).astype(np.float32)
+
+
+def flush(a: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(a) < FLT_MIN, np.copysign(np.float32(0), a), a).astype(np.float32)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
+    """Each output's chain: pair p adds w[2p+1]x[2p+1], then w[2p]x[2p], each sum rounded to
+    fp32 once and a subnormal sum flushed. The bf16 products and their sums with an fp32 are
+    exact in fp64 here (the data's exponents lie close), so fp64 then one rounding is fma's."""
+    xb, wb = bf16_values(x).astype(np.float64), bf16_values(w).astype(np.float64)
+    acc = np.zeros((xb.shape[0], wb.shape[0]), dtype=np.float32)
+    for p in range(xb.shape[1] // 2):
+        for k in (2 * p + 1, 2 * p):
+            acc = flush((acc + np.outer(xb[:, k], wb[:, k])).astype(np.float32))
+    return acc if bias is None else acc + bias.numpy()
+
+
+def pairs(w: torch.Tensor) -> np.ndarray:
+    return PackedWeight.from_bf16(w.to(torch.bfloat16)).to_bf16_pairs().data
+
+
+def run(x: torch.Tensor, data: np.ndarray, bias: torch.Tensor | None, threads: int = 1,
+        path: str = "auto") -> np.ndarray:
+    out = np.empty((x.shape[0], data.shape[0]), dtype=np.float32)
+    _C.bf16_linear(x.numpy(), data, x.shape[1], None if bias is None else bias.numpy(), out, threads, path)
+    return out
+
+
+def test_rounding_is_torchs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 333, generator=g) * torch.logspace(-40, 38, 333)
+    ties = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 2.0 ** -130, -(2.0 ** -127),
+                         float("inf"), float("-inf"), float("nan"), 3.4e38, 0.0, -0.0])
+    x[0, :ties.numel()] = ties
+    out = np.empty(x.shape, dtype=np.uint16)
+    _C.bf16_round(x.numpy(), out)
+    want = torch.from_numpy(bf16_values(x)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x.numpy())
+    assert np.array_equal(out[~nan], want[~nan])
+    assert (out[nan] == 0x7FC0).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_is_the_reference_bit_for_bit(path, m, bias):
+    g = torch.Generator().manual_seed(m)
+    n, k = 160, 96
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.1
+    b = torch.randn(n, generator=g) if bias else None
+    assert np.array_equal(run(x, pairs(w), b, path=path), reference(x, w, b))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tiny_sums_are_flushed_alike_on_every_path(path):
+    """Products near fp32's smallest normal: the sums cross it both ways."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 64, generator=g) * 1e-19, torch.randn(32, 64, generator=g) * 1e-19
+    want = reference(x, w, None)
+    assert (want == 0).any() and (np.abs(want) > FLT_MIN).any()
+    assert np.array_equal(run(x, pairs(w), None, path=path), want)
+
+
+@pytest.mark.parametrize("path", ["auto", *PATHS[:1]])
+def test_rows_do_not_depend_on_the_batch_or_the_threads(path):
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(70, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    data = pairs(w)
+    whole = run(x, data, b, path=path)
+    for threads in (2, 3, 7):  # 3 and 7 cut blocks of 16 rows in two
+        assert np.array_equal(run(x, data, b, threads, path=path), whole)
+    for m in (1, 7, 9, 17, 33, 64):
+        assert np.array_equal(run(x[m:m + 1], data, b, path=path), whole[m:m + 1])
+        assert np.array_equal(run(x[:m], data, b, path=path), whole[:m])
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_amx_is_close_to_the_reference_and_deterministic(m):
+    g = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 512, generator=g), torch.randn(96, 512, generator=g) * 0.1, torch.randn(96, generator=g)
+    data = pairs(w)
+    got, want = run(x, data, b, path="amx"), reference(x, w, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.array_equal(run(x, data, b, path="amx"), got)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+def test_amx_leaves_columns_not_a_multiple_of_32_to_the_next_path():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 48, generator=g), torch.randn(32, 48, generator=g)
+    assert np.array_equal(run(x, pairs(w), None, path="amx"), run(x, pairs(w), None, path=PATHS[0]))
+
+
+def test_engine_entry_and_module_give_the_same_floats():
+    """`packed_linear` (the engine's and the decode stack's entry, its own thread split and
+    input blocks) and PackedLinear equal the direct call."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(600, 128, generator=g), torch.randn(48, 128, generator=g)
+    pw = PackedWeight.from_bf16(w.to(torch.bfloat16)).to_bf16_pairs()
+    want = run(x, pw.data, None)
+    out = np.empty_like(want)
+    _C.packed_linear(x.numpy(), pw.data, "bf16_pairs", 128, None, out, 2)
+    assert np.array_equal(out, want)
+    assert np.array_equal(PackedLinear(pw)(x).numpy(), want)
+
+
+def test_pairs_layout_widens_to_the_bf16_values():
+    w = torch.randn(32, 40).to(torch.bfloat16)
+    pw = PackedWeight.from_bf16(w).to_bf16_pairs()
+    assert pw.data.ctypes.data % 64 == 0
+    assert torch.equal(pw.widen(), w.float())
+    assert torch.equal(pw.widen(5, 9), w.float()[5:9])
+    q8 = np.random.default_rng(0).integers(0, 256, (16, 34), dtype=np.uint8)
+    q8[:, :2] = np.frombuffer(np.float16(0.0123).tobytes(), np.uint8)  # each block's scale
+    quant = PackedWeight(q8, "q8_0", 32)  # another format: widened, then rounded to bf16
+    assert torch.equal(quant.to_bf16_pairs().widen(), quant.widen().to(torch.bfloat16).float())
+
+
+CHILD = """
+import sys, numpy as np, torch
+from deepinfer_dp import _C
+x = torch.from_numpy(np.load(sys.argv[1])); data = np.load(sys.argv[2])
+print(_C.bf16_dot_path())
+out = np.empty((x.shape[0], data.shape[0]), dtype=np.float32)
+_C.packed_linear(x.numpy(), data, "bf16_pairs", x.shape[1], None, out, 2)
+np.save(sys.argv[3], out)
+"""
+
+
+@pytest.mark.parametrize("env, path", [({"DEEPINFER_DP_BF16_AMX": "0"}, "native"),
+                                       ({"DEEPINFER_DP_BF16_AMX": "0", "DEEPINFER_DP_BF16_DOT": "0"}, "widen512"),
+                                       ({"DEEPINFER_DP_PACKED_AVX512": "0"}, "scalar")])
+def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path):
+    """The switches are read once per process, so each runs in a child; its default path
+    gives the floats of that path here."""
+    if path not in _C.bf16_dot_paths():
+        pytest.skip(f"no {path} path on this CPU")
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(19, 256, generator=g), torch.randn(64, 256, generator=g)
+    data = pairs(w)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "w.npy", data)
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "x.npy"), str(tmp_path / "w.npy"),
+                           str(tmp_path / "y.npy")], env={**os.environ, **env}, check=True, timeout=120,
+                          capture_output=True, text=True)
+    assert done.stdout.strip() == path
+    assert np.array_equal(np.load(tmp_path / "y.npy"), run(x, data, None, path=path))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: PackedWeight(np.zeros((8, 64), np.uint8), "bf16_pairs", 32), "multiple of 16"),
+    (lambda: _C.bf16_pairs_pack(np.zeros((8, 4), np.uint16), np.zeros((8, 8), np.uint8)), "multiple of 16"),
+    (lambda: _C.bf16_linear(np.zeros((1, 4), np.float32), np.zeros((16, 8), np.uint8), 4, None,
+                            np.zeros((1, 16), np.float32), 1, "fast"), "unknown path"),
+    (lambda: _C.packed_linear(np.zeros((1, 4), np.float32), np.zeros((8, 8), np.uint8), "bf16_pairs", 4, None,
+                              np.zeros((1, 8), np.float32), 1), "multiple of 16"),
+])
+def test_bad_arguments_raise_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
