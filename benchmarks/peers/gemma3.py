@@ -52,7 +52,7 @@ def build_workloads(quick: bool, peer_cache: Path) -> dict:
     workloads = {name: {"prompts": prompts(int(name.removeprefix("gemma"))), "max_tokens": new_tokens}
                  for name in NAMES}
     return {"gguf": str(gguf), "hf_dir": str(model_dir), "vllm_dir": str(vllm_dir(Path(model_dir), peer_cache)),
-            "workloads": workloads}
+            "workloads": workloads, "llamacpp_no_repack": True}
 
 
 def vllm_dir(model_dir: Path, peer_cache: Path) -> Path:
