@@ -21,6 +21,8 @@ def main() -> None:
     spec = load_workloads(args)
     from llama_cpp import Llama
 
+    if spec.get("llamacpp_no_repack"):
+        no_repack()
     longest = max(len(p) + w["max_tokens"] for w in spec["workloads"].values() for p in w["prompts"])
     threads = len(os.sched_getaffinity(0))
     llm = Llama(model_path=spec["gguf"], n_ctx=max(512, longest), n_threads=threads, n_threads_batch=threads,
@@ -32,6 +34,22 @@ def main() -> None:
         return [list(one_sequence(llm, p, max_tokens)) for p in prompts]
 
     emit("llama.cpp", cold_start, rss, run_workloads(spec, generate))
+
+
+def no_repack() -> None:
+    """Loads weights without llama.cpp's extra (repacking) buffer types: its AMX repack of the
+    Gemma 3 270M file crashes the first decode (SIGSEGV) on these machines."""
+    import llama_cpp
+    from llama_cpp import llama
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama.llama_cpp.llama_model_default_params = params
 
 
 def one_sequence(llm, prompt: list[int], max_tokens: int):

