@@ -37,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
-from bf16_model import bf16_copy  # noqa: E402
 import gemma3  # noqa: E402
+from bf16_model import bf16_copy  # noqa: E402
 from ceilings import machine_ceilings, model_costs  # noqa: E402
 from peer_common import RESULT_MARK  # noqa: E402
 from report import OURS, print_report  # noqa: E402
@@ -171,7 +171,8 @@ def main() -> None:
     if args.bf16:
         peers.pop("llama.cpp", None)
     gemma = args.model == "gemma3"
-    spec = gemma3.build_workloads(args.quick, PEER_CACHE) if gemma else build_workloads(args.workloads, args.quick, args.bf16)
+    spec = (gemma3.build_workloads(args.quick, PEER_CACHE) if gemma
+            else build_workloads(args.workloads, args.quick, args.bf16))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     rounds = []
