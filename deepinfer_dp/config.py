@@ -140,6 +140,8 @@ class EngineConfig:
         return self.torch_dtype() if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
     def media_limits(self):
+        # Lazy, as torch above: media.py imports Pillow, and the config is read by light
+        # processes (the API servers' front ends, the CLI) that never fetch an image.
         from deepinfer_dp.multimodal.media import MediaLimits
 
         return MediaLimits(self.media_fetch_timeout_s, self.max_image_bytes,
