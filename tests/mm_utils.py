@@ -3,15 +3,19 @@ test images, built offline for the multimodal tests."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
 import os
+import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from model_utils import build_tiny_tokenizer  # noqa: E402
+from model_utils import build_tiny_tokenizer, randomize_biases_and_norms  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     CLIPImageProcessorPil,
@@ -57,12 +61,7 @@ def build_tiny_llava(path: str | os.PathLike, seed: int = 0, image_size: int = 5
                          vision_feature_layer=-2, vision_feature_select_strategy="default")
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    randomize_biases_and_norms(model)
     model.save_pretrained(path)
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
                                          crop_size={"height": image_size, "width": image_size})
@@ -128,15 +127,36 @@ def build_tiny_idefics3(path: str | os.PathLike, seed: int = 0, tile: int = 56) 
                             image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    randomize_biases_and_norms(model)
     model.save_pretrained(path)
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * tile}, max_image_size={"longest_edge": tile})
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                   image_seq_len=(tile // 28) ** 2, chat_template=LLAVA_CHAT_TEMPLATE)
     processor.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def slow_image_server(delay_s: float, image: Image.Image):
+    """A loopback HTTP server that answers every GET with `image` as PNG after `delay_s`;
+    yields the image's URL and stops the server on exit."""
+    body = png_bytes(image)
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            time.sleep(delay_s)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/slow.png"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -98,14 +98,7 @@ def write_tiny_model(make_config, path: str | os.PathLike, seed: int = 0) -> Pat
     config = make_config(len(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # transformers zeroes biases and sets norm weights to one; randomize them so that
-        # the bias and norm-weight paths are actually tested.
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    randomize_biases_and_norms(model)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -149,3 +142,14 @@ def prompts_of_lengths(lengths: list[int], vocab: int = 400, offset: int = 3) ->
 def token_ids(results) -> list[list[int]]:
     """Per prompt, the token ids of LLM.generate(..., decode_sequence=False) outputs."""
     return [[o.token_id for o in outs] for outs in results]
+
+
+def randomize_biases_and_norms(model: torch.nn.Module) -> None:
+    """transformers zeroes biases and sets norm weights to one; randomize them so that the
+    bias and norm-weight paths are actually tested."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))

@@ -5,56 +5,36 @@ equals transformers' (as at DP=1)."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes
+from mm_utils import HFReference, build_tiny_llava, make_image, slow_image_server
 
 HERE = Path(__file__).resolve().parent
 DELAY_S = 2.0
 TOKENS = 5
 
 
-class _Slow(http.server.BaseHTTPRequestHandler):
-    body = png_bytes(make_image(50))
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        time.sleep(DELAY_S)
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.mark.slow
 def test_a_rank_waiting_for_images_keeps_the_group_stepping(tmp_path_factory, tmp_path):
     model = build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny-llava")
-    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
-    threading.Thread(target=slow.serve_forever, daemon=True).start()
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "dp_images_rank.py"), str(model), str(out),
-           f"http://127.0.0.1:{slow.server_address[1]}/slow.png", str(TOKENS)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        slow.shutdown()
-        slow.server_close()
+    with slow_image_server(DELAY_S, make_image(50)) as slow_url:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(HERE / "dp_images_rank.py"), str(model), str(out), slow_url, str(TOKENS)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
     result = json.loads(out.read_text())
     hf = HFReference(model)

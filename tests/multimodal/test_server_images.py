@@ -5,7 +5,6 @@ after, and a slow image source that does not hold back other requests."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import re
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes
+from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes, slow_image_server
 from server_utils import MODEL_NAME, served
 
 TOKENS = 5
@@ -31,20 +30,6 @@ def chat(url: str, text: str = "what is it?", stream: bool = False) -> dict:
                                                       {"type": "image_url", "image_url": {"url": url}}]}]}
 
 
-class _Slow(http.server.BaseHTTPRequestHandler):
-    body = png_bytes(make_image(40))
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        time.sleep(SLOW_S)
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
@@ -52,13 +37,9 @@ def setup(tmp_path_factory):
     media = root / "media"
     media.mkdir(exist_ok=True)
     (media / "cat.png").write_bytes(png_bytes(make_image(41)))
-    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
-    threading.Thread(target=slow.serve_forever, daemon=True).start()
-    with served(str(model), max_num_batched_tokens=24, max_model_len=256,
-                allowed_local_media_path=str(media)) as server:
-        yield server, HFReference(model), media, f"http://127.0.0.1:{slow.server_address[1]}/slow.png"
-    slow.shutdown()
-    slow.server_close()
+    with slow_image_server(SLOW_S, make_image(40)) as slow_url, served(
+            str(model), max_num_batched_tokens=24, max_model_len=256, allowed_local_media_path=str(media)) as server:
+        yield server, HFReference(model), media, slow_url
 
 
 def expected_text(hf: HFReference, image) -> str:
