@@ -145,10 +145,10 @@ _GGUF_EXPERT = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps
 
 def write_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
     """A GGUF file (F32 tensors, metadata, tokenizer) of a tiny MoE model of `kind`."""
-    import json
     import re
 
     import gguf
+    from gguf_utils import add_tokenizer
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -170,17 +170,7 @@ def write_gguf(kind: str, hf_dir: Path, out: Path) -> Path:
         w.add_expert_weights_norm(bool(config.norm_topk_prob))
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
+    add_tokenizer(w, hf_dir)
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in load_file(hf_dir / "model.safetensors").items():
         if m := re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name):
