@@ -88,9 +88,11 @@ class HFReference:
     """transformers' model and processor of a checkpoint, for greedy reference tokens."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        from deepinfer_dp.multimodal.qwen_processor import load_processor
+
+        self.processor = load_processor(model_dir)  # AutoProcessor, or Qwen VL's without video
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None  # exactly max_tokens, like ignore_eos
 
