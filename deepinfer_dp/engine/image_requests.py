@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from transformers import AutoProcessor
-
 from deepinfer_dp import _C
 from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.engine.request_state import RequestState
@@ -23,7 +21,9 @@ from deepinfer_dp.multimodal.encoder_cache import EncoderCache
 from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
 from deepinfer_dp.multimodal.image_worker import ImageWorker, MultiModalPrompt
 from deepinfer_dp.multimodal.media import MediaLimits
+from deepinfer_dp.multimodal.mrope import MRopePositions, step_positions
 from deepinfer_dp.multimodal.processing import ImageItem, ImagePromptProcessor, ProcessedPrompt
+from deepinfer_dp.multimodal.qwen_processor import load_processor
 from deepinfer_dp.multimodal.step_inputs import MultiModalStep, plan_step
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -33,6 +33,7 @@ class ImageRequests:
         self.worker = worker
         self.cache = cache
         self.items: dict[str, list[ImageItem]] = {}  # running requests' images
+        self.mrope: dict[str, MRopePositions] = {}  # their M-RoPE positions (Qwen2-VL)
         self.prompts: dict[str, MultiModalPrompt] = {}  # waiting requests' prompts
 
     @classmethod
@@ -41,7 +42,7 @@ class ImageRequests:
         family = getattr(model, "image_family", None)
         if family is None:
             return None
-        processor = AutoProcessor.from_pretrained(model_dir)
+        processor = load_processor(model_dir)
         prompts = ImagePromptProcessor(processor, model.image_token_id, family)
         return cls(ImageWorker(prompts, limits), EncoderCache(cache_tokens))
 
@@ -82,14 +83,19 @@ class ImageRequests:
                 failed.append((rid, MM_ERROR_PREFIX + error))
             elif processed.items:
                 self.items[rid] = processed.items
+                if processed.mrope is not None:
+                    self.mrope[rid] = processed.mrope
         return ready, failed
 
     def plan(self, sched_out: _C.SchedulerOutput) -> MultiModalStep | None:
-        """The image rows of this step, or None when it computes none."""
+        """The image rows of this step (and an M-RoPE model's positions), or None when it
+        computes no image row and its positions are as scheduled."""
         if not self.items or sched_out.is_empty():
             return None
-        slices = plan_step(list(sched_out.request_ids), sched_out.query_start_loc, sched_out.positions, self.items)
-        return MultiModalStep(slices, self.cache) if slices else None
+        rids, qsl, positions = list(sched_out.request_ids), sched_out.query_start_loc, sched_out.positions
+        slices = plan_step(rids, qsl, positions, self.items)
+        mrope = step_positions(rids, qsl, positions, self.mrope) if self.mrope else None
+        return MultiModalStep(slices, self.cache, mrope) if slices or mrope is not None else None
 
     def cancel(self, request_ids: list[str]) -> list[str]:
         found = self.worker.cancel(request_ids)
@@ -99,6 +105,7 @@ class ImageRequests:
 
     def forget(self, request_id: str) -> None:
         self.items.pop(request_id, None)
+        self.mrope.pop(request_id, None)
         self.prompts.pop(request_id, None)
 
     def stats(self) -> dict:

@@ -45,7 +45,7 @@ def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
     rope_type = params["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # "mrope": Qwen2-VL's name for default frequencies
         return inv_freq
     if rope_type == "linear":
         return inv_freq / params["factor"]
@@ -130,13 +130,18 @@ class RotaryEmbedding(nn.Module):
             self._tables[key] = (cos.to(dtype), sin.to(dtype))
         return self._tables[key]
 
+    def rows(self, positions: torch.Tensor, device: torch.device,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, D] of the rows at `positions` [T]."""
+        cos_table, sin_table = self._cos_sin(device, dtype)
+        return cos_table[positions], sin_table[positions]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: look the rows up once.
         if self._step_positions is not positions:
-            cos_table, sin_table = self._cos_sin(q.device, q.dtype)
-            self._step_cos_sin = (cos_table[positions], sin_table[positions])  # [T, D]
+            self._step_cos_sin = self.rows(positions, q.device, q.dtype)
             self._step_positions = positions
         cos, sin = self._step_cos_sin
         if q.device.type == "cpu" and q.dtype == torch.float32:
@@ -147,6 +152,38 @@ class RotaryEmbedding(nn.Module):
             return q, k
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): positions [3, T] (temporal, height, width); frequency j takes its
+    position from the row of its `mrope_section` (transformers' recomposition), so a row's
+    cos/sin are gathered from the one-position tables. Positions [T] are plain RoPE."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__(head_dim, max_position, params)
+        section = [int(s) for s in params["mrope_section"]]
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} must add up to head_dim / 2 = {head_dim // 2}")
+        # explicit CPU: the model may be built under a meta-device context
+        half = torch.repeat_interleave(torch.arange(len(section), device="cpu") % 3,
+                                       torch.tensor(section, device="cpu"))
+        self._row_of = torch.cat((half, half))  # [D]: which position row frequency j reads
+
+    def rows(self, positions: torch.Tensor, device: torch.device,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().rows(positions, device, dtype)
+        cos_table, sin_table = self._cos_sin(device, dtype)
+        per_freq = positions[self._row_of.to(positions.device)].T  # [T, D]
+        cols = torch.arange(self.head_dim, device=positions.device)
+        return cos_table[per_freq, cols].contiguous(), sin_table[per_freq, cols].contiguous()
+
+
+def make_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbedding:
+    """The RoPE of a config's parameters: M-RoPE when they carry an `mrope_section`."""
+    if params.get("mrope_section"):
+        return MRotaryEmbedding(head_dim, max_position, params)
+    return RotaryEmbedding(head_dim, max_position, params)
 
 
 def _heads_view(x: torch.Tensor):

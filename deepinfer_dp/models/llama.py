@@ -17,7 +17,7 @@ from deepinfer_dp.layers.activation import silu_and_mul
 from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
 from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
-from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
+from deepinfer_dp.layers.rotary import RotaryEmbedding, make_rotary, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 
 
@@ -87,7 +87,8 @@ def attention_layout(config) -> tuple[bool, bool, str | None]:
     """(q/k/v bias, o_proj bias, q/k RMSNorm) of a family: the norm is None, "head" (Qwen3:
     each head before RoPE) or "full" (OLMoE: all heads of q, and of k, as one vector)."""
     model_type = config.model_type
-    if model_type in ("qwen2", "qwen2_moe"):  # q/k/v bias (qkv_bias in Qwen2-MoE), none on o_proj
+    if model_type in ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"):
+        # q/k/v bias (qkv_bias in Qwen2-MoE), none on o_proj
         return bool(getattr(config, "qkv_bias", True)), False, None
     bias = bool(getattr(config, "attention_bias", False))
     norm = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "full"}.get(model_type)
@@ -167,8 +168,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One RoPE table for all layers (it is the same for each, and not small).
-        rotary_emb = RotaryEmbedding(head_dim(config), config.max_position_embeddings,
-                                     rope_parameters(config))
+        rotary_emb = make_rotary(head_dim(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(decoder_layer(config, context, rotary_emb, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

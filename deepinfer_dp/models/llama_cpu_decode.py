@@ -98,11 +98,10 @@ class LlamaCpuDecode:
             self._caches = caches
         threads = cpu_threads.kernel_threads()
         hidden = self.model.embed_tokens(input_ids).numpy()
-        cos_table, sin_table = self.rotary._cos_sin(torch.device("cpu"), torch.float32)
-        pos = positions.numpy()
+        cos, sin = self.rotary.rows(positions, torch.device("cpu"), torch.float32)  # [T, D] each
         # Per query row: how many positions it sees, and its sequence's block-table row.
         lens, rows = (attention.prefill_queries(md)[::-1] if md.is_prefill else (md.seq_lens.numpy(), None))
-        out = self.stack.run(hidden, cos_table.numpy()[pos], sin_table.numpy()[pos], md.slot_mapping.numpy(),
+        out = self.stack.run(hidden, cos.numpy(), sin.numpy(), md.slot_mapping.numpy(),
                              md.block_tables.numpy(), lens, rows, threads)
         return torch.from_numpy(out)
 

@@ -31,6 +31,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("deepseek", "DeepseekForCausalLM"),
     "llava": ("llava", "LlavaForConditionalGeneration"),
     "idefics3": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # model_type -> (module, function) that attaches the next-n (MTP) layer its checkpoints carry

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from deepinfer_dp.multimodal.media import MediaError
+from deepinfer_dp.multimodal.mrope import MRopePositions, rope_index
 
 # Placeholder ids as the C++ scheduler sees them start here, above the vocabulary: one value
 # per image token, drawn from the image's content key, so that the prefix cache's block
@@ -41,6 +42,7 @@ class ImageItem:
 class ProcessedPrompt:
     prompt_token_ids: list[int]  # as the processor expanded them (placeholder ids included)
     items: list[ImageItem]
+    mrope: MRopePositions | None = None  # M-RoPE models' (Qwen2-VL) prompt positions, with images
 
     def scheduler_token_ids(self, vocab_size: int) -> list[int]:
         """The ids the scheduler gets: each placeholder replaced by its image's pseudo id."""
@@ -99,7 +101,15 @@ class ImagePromptProcessor:
         for image, inputs, n in zip(images, per_image, counts, strict=True):
             items.append(ImageItem(self.content_key(image), placeholders[start:start + n].astype(np.int64), inputs))
             start += n
-        return ProcessedPrompt(ids, items)
+        mrope = None
+        if self.family == "qwen2_vl" and items:
+            grids = [tuple(int(x) for x in item.inputs["image_grid_thw"][0]) for item in items]
+            try:
+                mrope = rope_index(len(ids), [(item.positions, g) for item, g in zip(items, grids, strict=True)],
+                                   self.processor.image_processor.merge_size)
+            except ValueError as e:
+                raise MediaError(str(e)) from None
+        return ProcessedPrompt(ids, items, mrope)
 
     def _blame(self, images: list[Image.Image], error: Exception) -> str:
         for i, image in enumerate(images):
@@ -116,6 +126,10 @@ def _split_inputs(family: str, batch, num_images: int) -> list[dict[str, torch.T
         return []
     if family == "llava":
         return [{"pixel_values": batch["pixel_values"][i:i + 1]} for i in range(num_images)]
+    if family == "qwen2_vl":  # patches of all images in one run, each image's (t, h, w) grid
+        grids = batch["image_grid_thw"]
+        pixels = batch["pixel_values"].split(grids.prod(-1).tolist())
+        return [{"pixel_values": pixels[i], "image_grid_thw": grids[i:i + 1]} for i in range(num_images)]
     raise ValueError(f"no image inputs layout for model family {family!r}")
 
 
@@ -125,6 +139,8 @@ def _num_tokens(family: str, inputs: dict[str, torch.Tensor], processor) -> int:
         _, _, height, width = inputs["pixel_values"].shape
         n = (height // processor.patch_size) * (width // processor.patch_size) + processor.num_additional_image_tokens
         return n - 1 if processor.vision_feature_select_strategy == "default" else n
+    if family == "qwen2_vl":
+        return int(inputs["image_grid_thw"].prod()) // processor.image_processor.merge_size ** 2
     raise ValueError(f"no placeholder count for model family {family!r}")
 
 

@@ -32,9 +32,19 @@ class MultiModalStep:
 
     slices: list[ImageSlice]
     cache: EncoderCache
+    mrope_positions: np.ndarray | None = None  # M-RoPE models: [T] or [3, T] (multimodal/mrope.py)
 
-    def embeddings(self, model, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    def embeddings(self, model, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """The step's input embeddings; None when it has no image row (the ids are looked up as usual)."""
+        if not self.slices:
+            return None
         return splice(model.embed_input_ids, model.encode_image, input_ids, vocab_size, self.slices, self.cache)
+
+    def positions(self, scheduled: torch.Tensor) -> torch.Tensor:
+        """The positions the model computes RoPE at: the scheduled ones unless M-RoPE's."""
+        if self.mrope_positions is None:
+            return scheduled
+        return torch.from_numpy(self.mrope_positions).to(scheduled.device)
 
 
 def plan_step(request_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,

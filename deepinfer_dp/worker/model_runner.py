@@ -211,7 +211,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, inp.positions, inp.attn_metadata)
             else:  # the vision encoder runs here, inside the step, for images not in its cache
                 embeds = inp.mm.embeddings(self.model, input_ids, self.vocab_size)
-                hidden = self.model(input_ids, inp.positions, inp.attn_metadata, inputs_embeds=embeds)
+                hidden = self.model(input_ids, inp.mm.positions(inp.positions), inp.attn_metadata, inputs_embeds=embeds)
             if inp.observer is not None:
                 inp.observer(TargetStep(input_ids, inp.positions, inp.attn_metadata, hidden, inp.sample_indices))
             if inp.prompt_logprobs is not None:
