@@ -3,6 +3,7 @@ processor, tokenizer and chat template), built offline for the multimodal tests.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: 
     model = cls(config).eval()
     randomize_biases_and_norms(model)
     model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(published_config(config), indent=2))
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
@@ -75,13 +77,31 @@ def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: 
     return path
 
 
+def published_config(config) -> dict:
+    """`config` as the published Qwen2-VL / Qwen2.5-VL repositories write it (transformers 4):
+    the text model's fields at the top, `rope_scaling` of type "mrope", no vision rope fields."""
+    out = config.to_dict()
+    text = out.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("model_type", "layer_types", "dtype"):
+        text.pop(key, None)
+    out.update(text, rope_theta=rope["rope_theta"],
+               rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    out["vision_config"] = {k: v for k, v in out["vision_config"].items() if k not in ("rope_parameters", "model_type")}
+    return out
+
+
 def to_transformers5_layout(src: Path, dst: Path) -> Path:
     """The same checkpoint under transformers 5's module names (`model.visual.*`,
-    `model.language_model.*`); save_pretrained writes the published names (`visual.*`, `model.*`)."""
+    `model.language_model.*`) and its config.json form (save_pretrained writes the published
+    tensor names, `visual.*`, `model.*`; build_tiny_qwen_vl the published config)."""
+    from transformers import AutoConfig
+
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.name != "model.safetensors":
+        if f.name not in ("model.safetensors", "config.json"):
             (dst / f.name).write_bytes(f.read_bytes())
+    AutoConfig.from_pretrained(src).save_pretrained(dst)
     renamed = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         if name.startswith("visual."):

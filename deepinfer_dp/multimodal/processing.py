@@ -64,7 +64,7 @@ def pseudo_ids(key: str, count: int, vocab_size: int) -> np.ndarray:
 
 
 class ImagePromptProcessor:
-    """Wraps the model's processor (AutoProcessor) for one model family."""
+    """Wraps the model's processor (qwen_processor.load_processor: AutoProcessor first) for one family."""
 
     def __init__(self, processor, image_token_id: int, family: str) -> None:
         self.processor = processor
