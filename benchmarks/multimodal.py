@@ -1,11 +1,18 @@
-"""Images in, side by side in one run, on a random-weight LLaVA of a realistic shape scaled to
-a few minutes on 2 cores (CLIP tower 384 wide x 6 layers, 224x224 images = 256 image tokens;
-Llama 512 wide x 6 layers): requests/s and TTFT at one image per request against transformers
+"""Images in, side by side in one run, on a random-weight model of a realistic shape scaled to
+a few minutes on 2 cores: requests/s and TTFT at one image per request against transformers
 `generate` (one padded batch) on the same model; the encoder cache's effect when every request
 carries the same image (prefix caching off, so only the encoder cache can help); and the
-share of the engine's step time spent in the vision encoder.
+share of the engine's step time spent in the vision encoder. Shapes (`--shape`):
 
-    python benchmarks/multimodal.py [--requests 8] [--max-tokens 16] [--threads 2]
+- `llava-scaled` (default): CLIP tower 384 wide x 6 layers, 224x224 images = 256 image
+  tokens; Llama 512 wide x 6 layers.
+- `qwen2.5-vl-3b-scaled`: Qwen2.5-VL-3B's vision transformer at a quarter of its width and
+  depth (320 wide, 4 heads of 80, SwiGLU 856, 8 blocks with window attention over 112-pixel
+  windows, full attention in blocks 3 and 7), its text model at a quarter of its width with
+  6 layers (512 wide, 4 heads of 128 with 2 KV heads, M-RoPE sections 16/24/24), and its
+  processor's pixel range, so a 448x336 image is 192 image tokens.
+
+    python benchmarks/multimodal.py [--shape llava-scaled] [--requests 8] [--max-tokens 16] [--threads 2]
 
 Each side runs in a child process (harness.py). Results go to docs/multimodal.md with the
 command and the commit.
@@ -29,16 +36,47 @@ TEXT_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, 
                   num_key_value_heads=2)
 VISION_SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=6)
 IMAGE_SIZE = 224
+QWEN_TEXT = dict(hidden_size=512, intermediate_size=2752, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                         "mrope_section": [16, 24, 24]})
+QWEN_VISION = dict(depth=8, hidden_size=320, intermediate_size=856, num_heads=4, out_hidden_size=512,
+                   window_size=112, fullatt_block_indexes=[3, 7])
+QWEN_PIXELS = (3136, 12845056)  # Qwen2.5-VL's min_pixels, max_pixels
+SHAPES = {  # prompt with one image, the image's size
+    "llava-scaled": ("USER: <image>\n{} ASSISTANT:", (320, 240)),
+    "qwen2.5-vl-3b-scaled": ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+                             "<|im_start|>assistant\n", (448, 336)),
+}
 
 
-def prompts(n: int, same_image: bool):
+def prompts(shape: str, n: int, same_image: bool):
     from mm_utils import make_image
 
-    return [(f"USER: <image>\nRequest {i}: describe the picture. ASSISTANT:",
-             make_image(0 if same_image else i, (320, 240))) for i in range(n)]
+    template, size = SHAPES[shape]
+    return [(template.format(f"Request {i}: describe the picture."), make_image(0 if same_image else i, size))
+            for i in range(n)]
 
 
-def run_ours(model: str, n: int, max_tokens: int, threads: int, same_image: bool, prefix_caching: bool) -> dict:
+def warm_up_prompt(shape: str):
+    from mm_utils import make_image
+
+    template, size = SHAPES[shape]
+    return template.format("warm-up"), make_image(10_000, size)
+
+
+def build(shape: str, path: Path) -> str:
+    if shape == "llava-scaled":
+        from mm_utils import build_tiny_llava
+
+        return str(build_tiny_llava(path, image_size=IMAGE_SIZE, text_shape=TEXT_SHAPE, vision_shape=VISION_SHAPE))
+    from qwen_vl_utils import build_tiny_qwen_vl
+
+    return str(build_tiny_qwen_vl(path, "qwen2_5_vl", text_shape=QWEN_TEXT, vision_shape=QWEN_VISION,
+                                  pixels=QWEN_PIXELS))
+
+
+def run_ours(shape: str, model: str, n: int, max_tokens: int, threads: int, same_image: bool,
+             prefix_caching: bool) -> dict:
     from deepinfer_dp.config import EngineConfig
     from deepinfer_dp.engine.llm_engine import LLMEngine
     from deepinfer_dp.engine.step_loop import StepLoop
@@ -64,11 +102,9 @@ def run_ours(model: str, n: int, max_tokens: int, threads: int, same_image: bool
         loop.run(on_outputs)
         return time.perf_counter() - start, [t - start for t in first.values()]
 
-    from mm_utils import make_image
-
-    batch([("USER: <image>\nwarm-up ASSISTANT:", make_image(10_000, (320, 240)))])  # threads, kernels, processor
+    batch([warm_up_prompt(shape)])  # threads, kernels, processor
     before = loop.stats()
-    wall, ttft = batch(prompts(n, same_image))
+    wall, ttft = batch(prompts(shape, n, same_image))
     after = loop.stats()
     step_s = after["step_time_s"] - before["step_time_s"]
     encoder_s = after["encoder_time_s"] - before["encoder_time_s"]
@@ -79,14 +115,16 @@ def run_ours(model: str, n: int, max_tokens: int, threads: int, same_image: bool
             "preprocess_s": after["image_preprocess_time_s"] - before["image_preprocess_time_s"]}
 
 
-def run_transformers(model: str, n: int, max_tokens: int, threads: int) -> dict:
+def run_transformers(shape: str, model: str, n: int, max_tokens: int, threads: int) -> dict:
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
+
+    from deepinfer_dp.multimodal.qwen_processor import load_processor
 
     torch.set_num_threads(threads)
-    processor = AutoProcessor.from_pretrained(model)
+    processor = load_processor(model)  # AutoProcessor, or Qwen VL's without video
     processor.tokenizer.padding_side = "left"
-    net = LlavaForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
+    net = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     net.generation_config.eos_token_id = None
 
     def generate(items, tokens: int) -> float:
@@ -97,10 +135,8 @@ def run_transformers(model: str, n: int, max_tokens: int, threads: int) -> dict:
             net.generate(**inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
-    from mm_utils import make_image
-
-    generate([("USER: <image>\nwarm-up ASSISTANT:", make_image(10_000, (320, 240)))], 2)  # warm-up
-    items = prompts(n, False)
+    generate([warm_up_prompt(shape)], 2)  # warm-up
+    items = prompts(shape, n, False)
     ttft = generate(items, 1)  # the whole batch's first token (one padded batch: all at once)
     wall = generate(items, max_tokens)
     return {"requests_per_s": n / wall, "mean_ttft_s": ttft, "wall_s": wall}
@@ -108,6 +144,7 @@ def run_transformers(model: str, n: int, max_tokens: int, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llava-scaled")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
@@ -117,20 +154,18 @@ def main() -> None:
     if args.side:
         n, tokens, threads = args.requests, args.max_tokens, args.threads
         if args.side == "transformers":
-            emit(run_transformers(args.model, n, tokens, threads))
+            emit(run_transformers(args.shape, args.model, n, tokens, threads))
         else:
             same, caching = {"ours": (False, True), "ours-distinct-no-prefix": (False, False),
                              "ours-same-image-no-prefix": (True, False)}[args.side]
-            emit(run_ours(args.model, n, tokens, threads, same, caching))
+            emit(run_ours(args.shape, args.model, n, tokens, threads, same, caching))
         return
-    from mm_utils import build_tiny_llava
-
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_llava(Path(tmp) / "llava-bench", image_size=IMAGE_SIZE, text_shape=TEXT_SHAPE,
-                                     vision_shape=VISION_SHAPE))
+        model = build(args.shape, Path(tmp) / "bench-model")
         results = {}
         for side in ("ours", "transformers", "ours-distinct-no-prefix", "ours-same-image-no-prefix"):
-            cmd = self_command(__file__, "--side", side, "--model", model, "--requests", str(args.requests),
+            cmd = self_command(__file__, "--side", side, "--shape", args.shape, "--model", model,
+                               "--requests", str(args.requests),
                                "--max-tokens", str(args.max_tokens), "--threads", str(args.threads))
             results[side] = run_child(cmd, side)
             print(side, json.dumps({k: round(v, 3) for k, v in results[side].items()}), flush=True)

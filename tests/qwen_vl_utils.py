@@ -31,10 +31,14 @@ MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
 
-def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: int = 0,
+                       text_shape: dict | None = None, vision_shape: dict | None = None,
+                       pixels: tuple[int, int] = (MIN_PIXELS, MAX_PIXELS)) -> Path:
     """A Qwen2-VL (`family` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") shaped model: a 2-block
     vision transformer (patch 14, merge 2; 2.5: 56-pixel windows, block 1 full attention), a
-    2-layer Qwen2 text model with M-RoPE; written in transformers 5's layout, once."""
+    2-layer Qwen2 text model with M-RoPE, unless the shapes say otherwise (`text_shape` may
+    carry `rope_parameters`); images resized to `pixels` (min, max). Written once, with the
+    published tensor names and config form."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -49,18 +53,20 @@ def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: 
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    text = dict(vocab_size=len(tokenizer), rope_parameters=dict(MROPE), bos_token_id=1, eos_token_id=2,
-                pad_token_id=0, **TEXT)
+    text = dict(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                **{**TEXT, "rope_parameters": dict(MROPE), **(text_shape or {})})
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2)
+        vision.update(vision_shape or {})
         config, cls = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens), Qwen2VLForConditionalGeneration
     else:
         vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                       fullatt_block_indexes=[1])
+        vision.update(vision_shape or {})
         config, cls = (Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens),
                        Qwen2_5_VLForConditionalGeneration)
     torch.manual_seed(seed)
@@ -70,7 +76,7 @@ def build_tiny_qwen_vl(path: str | os.PathLike, family: str = "qwen2_vl", seed: 
     (path / "config.json").write_text(json.dumps(published_config(config), indent=2))
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], patch_size=14,
                                                temporal_patch_size=2, merge_size=2)
     image_processor.save_pretrained(path)
     (path / "chat_template.jinja").write_text(QWEN_CHAT_TEMPLATE)
