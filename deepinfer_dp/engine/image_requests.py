@@ -18,7 +18,7 @@ from transformers import AutoProcessor
 from deepinfer_dp import _C
 from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.engine.request_state import RequestState
-from deepinfer_dp.multimodal.chat import split_chat_images
+from deepinfer_dp.multimodal.chat import render_chat_prompt
 from deepinfer_dp.multimodal.encoder_cache import EncoderCache
 from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
 from deepinfer_dp.multimodal.image_worker import ImageWorker, MultiModalPrompt
@@ -48,10 +48,7 @@ class ImageRequests:
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
         """A conversation with image_url parts as one prompt: the processor's chat template's
         text (placeholders where the images were) and the images' URLs, fetched later."""
-        conv, urls, fields = split_chat_images(messages)
-        text = self.worker.processor.processor.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return MultiModalPrompt(text, urls, fields)
+        return render_chat_prompt(self.worker.processor.processor, messages, add_generation_prompt)
 
     def submit(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt
