@@ -71,8 +71,11 @@ class ImageRequests:
                 try:
                     n = _fit(mm, processed, state.params, max_model_len)
                     # no drafts: an n-gram proposer would copy placeholder ids, which are not tokens
-                    ready.append(_C.Sequence(rid, processed.scheduler_token_ids(vocab_size),
-                                             limits(rid, n, state.params, False)))
+                    ids = processed.scheduler_token_ids(vocab_size)
+                    seq = _C.Sequence(rid, ids, limits(rid, n, state.params, False))
+                    seq.set_image_spans([(int(i.positions[0]), int(i.positions[-1]) + 1, i.num_tokens)
+                                         for i in processed.items])  # the scheduler's encoder budget
+                    ready.append(seq)
                 except ValueError as e:
                     error = str(e)
             if error is not None:

@@ -20,6 +20,9 @@ class EncoderCache:
         self.misses = 0
         self.encoder_time_s = 0.0  # in the vision encoder, for the misses
         self.images_encoded = 0
+        self.tokens_encoded = 0
+        self.step_tokens = 0  # encoded in the current step (start_step)
+        self.max_step_tokens = 0  # the most any one step encoded: within max_num_encoder_input_tokens
 
     def get(self, key: str, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The embeddings [tokens, hidden] of image `key`, from `encode()` on a miss."""
@@ -33,6 +36,9 @@ class EncoderCache:
         embeddings = encode()
         self.encoder_time_s += time.perf_counter() - start
         self.images_encoded += 1
+        self.tokens_encoded += embeddings.shape[0]
+        self.step_tokens += embeddings.shape[0]
+        self.max_step_tokens = max(self.max_step_tokens, self.step_tokens)
         self._entries[key] = embeddings
         self._tokens += embeddings.shape[0]
         # the newest entry stays even when alone it is over the bound: its request needs it now
@@ -40,6 +46,9 @@ class EncoderCache:
             _, old = self._entries.popitem(last=False)
             self._tokens -= old.shape[0]
         return embeddings
+
+    def start_step(self) -> None:
+        self.step_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,4 +58,5 @@ class EncoderCache:
         return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
                 "encoder_cache_hit_rate": self.hits / looked if looked else 0.0,
                 "encoder_cache_tokens": self._tokens, "encoder_time_s": self.encoder_time_s,
-                "images_encoded": self.images_encoded}
+                "images_encoded": self.images_encoded, "encoder_tokens": self.tokens_encoded,
+                "encoder_tokens_max_step": self.max_step_tokens}

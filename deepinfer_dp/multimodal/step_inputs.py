@@ -34,6 +34,7 @@ class MultiModalStep:
     cache: EncoderCache
 
     def embeddings(self, model, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        self.cache.start_step()
         return splice(model.embed_input_ids, model.encode_image, input_ids, vocab_size, self.slices, self.cache)
 
 
