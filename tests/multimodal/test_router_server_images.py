@@ -13,6 +13,8 @@ import pytest
 from mm_utils import HFReference, build_tiny_llava, make_image, png_bytes
 from server_utils import MODEL_NAME, served
 
+# A DP=2 deployment, an HTTP server and transformers' reference: about a minute on 2 busy cores
+pytestmark = pytest.mark.slow
 TOKENS = 5
 FIELD = "messages.0.content.1.image_url"
 
