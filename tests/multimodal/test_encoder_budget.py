@@ -6,7 +6,7 @@ step, and greedy tokens equal transformers' and the unbudgeted run's."""
 from __future__ import annotations
 
 import pytest
-from mm_utils import HFReference, build_tiny_llava, make_image
+from mm_utils import HFReference, build_tiny_idefics3, build_tiny_llava, make_image
 
 from deepinfer_dp.entrypoints.llm import LLM
 from deepinfer_dp.sampling_params import SamplingParams
@@ -56,3 +56,21 @@ def test_a_budget_smaller_than_one_image_still_encodes_one_per_step(llava_dir):
     ours, stats = generate(llava_dir, 300, max_num_encoder_input_tokens=4)
     assert ours == free
     assert stats["encoder_tokens_max_step"] == 16  # one image per step, whole
+
+
+def test_tiled_images_whose_placeholders_are_not_one_run(tmp_path_factory):
+    """Idefics3: an image's tiles are separated by row/column tags; the chunk still ends
+    before the first placeholder of the image that does not fit."""
+    model = build_tiny_idefics3(tmp_path_factory.getbasetemp() / "tiny-idefics3")
+    images = [make_image(400, (100, 60)), make_image(401, (30, 90)), make_image(402, (120, 40))]
+    text = "USER: <image> and <image> and <image>\nthe same? ASSISTANT:"
+    hf = HFReference(model)
+    llm = LLM(str(model), max_num_batched_tokens=512, max_model_len=512, decode_sequence=False,
+              max_num_encoder_input_tokens=1)  # one image per step, whatever its size
+    try:
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        stats = llm.rank_stats()[0]
+    finally:
+        llm.shutdown()
+    assert [[t for o in r for t in o.token_ids] for r in out] == [hf.greedy(text, images, TOKENS)]
+    assert stats["encoder_budget_cuts"] >= 2 and stats["encoder_tokens_max_step"] < stats["encoder_tokens"]
