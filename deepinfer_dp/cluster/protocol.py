@@ -201,6 +201,15 @@ def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
 
 def images_to_wire(prompt: str, images: list[str | bytes], image_fields: list[str] | None,
                    max_tokens_set: bool) -> ImageInputs:
+    """ValueError naming the image for what the wire would refuse: a frame past its bounds would
+    be dropped by the router's inbox, and its request would never hear back."""
+    if len(images) > MAX_WIRE_IMAGES:
+        raise ValueError(f"{len(images)} images in one prompt; at most {MAX_WIRE_IMAGES} can be sent to the ranks")
+    for i, image in enumerate(images):
+        if len(image) > MAX_WIRE_IMAGE_BYTES:
+            where = image_fields[i] if image_fields else f"image {i}"
+            raise ValueError(f"{where}: {len(image)} {'characters' if isinstance(image, str) else 'bytes'}, more "
+                             f"than the {MAX_WIRE_IMAGE_BYTES} an image sent to the ranks may have")
     refs = [ImageRef(url=i) if isinstance(i, str) else ImageRef(data=i) for i in images]
     return ImageInputs(prompt, refs, image_fields, max_tokens_set)
 

@@ -36,6 +36,7 @@ from deepinfer_dp.engine.client import (
     deltas_until_finished,
 )
 from deepinfer_dp.engine.input_processor import InputProcessor
+from deepinfer_dp.multimodal.errors import image_error_field
 from deepinfer_dp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class RouterClient:
         chat's MultiModalPrompt, whose image URLs go to the rank as they are."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        wire = None if mm is None else p.images_to_wire(mm.prompt, mm.images, mm.image_fields, mm.max_tokens_set)
+        wire = None if mm is None else _images_to_wire(mm)
         self.submit(request_id, prompt_token_ids, params,
                     lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), wire)
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
@@ -240,6 +241,15 @@ class RouterClient:
     def _send(self, msg) -> None:
         with self._send_lock:
             self._outbox.send(p.encoder.encode(msg))
+
+
+def _images_to_wire(mm: Any) -> p.ImageInputs:
+    try:
+        return p.images_to_wire(mm.prompt, mm.images, mm.image_fields, mm.max_tokens_set)
+    except ValueError as e:  # past the wire's bounds: the caller's input, a 400 naming the part
+        error = RequestRejected(str(e))
+        error.param = image_error_field(str(e)) or "messages"
+        raise error from None
 
 
 def _call(sink: Sink, item) -> None:

@@ -66,3 +66,12 @@ def test_package_root_and_policies_import_without_torch_or_transformers():
             "assert deepinfer_dp.SamplingParams is not None and 'torch' not in sys.modules\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_images_past_the_wire_bounds_are_refused_by_the_sender():
+    with pytest.raises(ValueError, match="at most 64"):
+        p.images_to_wire("x", ["u"] * (p.MAX_WIRE_IMAGES + 1), None, True)
+    with pytest.raises(ValueError, match=r"^messages.0.content.1.image_url: .* characters"):
+        p.images_to_wire("x", ["d" * (p.MAX_WIRE_IMAGE_BYTES + 1)], ["messages.0.content.1.image_url"], True)
+    with pytest.raises(ValueError, match=r"^image 0: .* bytes"):
+        p.images_to_wire("x", [b"d" * (p.MAX_WIRE_IMAGE_BYTES + 1)], None, True)
