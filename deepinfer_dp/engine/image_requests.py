@@ -11,6 +11,7 @@ embeddings in from the encoder cache, encoding an image on its first use.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from transformers import AutoProcessor
@@ -34,6 +35,7 @@ class ImageRequests:
         self.cache = cache
         self.items: dict[str, list[ImageItem]] = {}  # running requests' images
         self.prompts: dict[str, MultiModalPrompt] = {}  # waiting requests' prompts
+        self._unpins: deque[list[tuple[str, str]]] = deque()  # per planned step: (image key, request) to unpin
 
     @classmethod
     def for_model(cls, model, model_dir: str, limits: MediaLimits, cache_tokens: int) -> ImageRequests | None:
@@ -85,10 +87,23 @@ class ImageRequests:
         return ready, failed
 
     def plan(self, sched_out: _C.SchedulerOutput) -> MultiModalStep | None:
-        """The image rows of this step, or None when it computes none."""
+        """The image rows of this step, or None when it computes none. An image this step
+        begins but does not finish stays pinned in the encoder cache until a step computes its
+        last rows; the unpin waits two steps, until that step's forward surely ran (the
+        post-processing of step N, which needs its forward, comes before step N + 2 is planned)."""
+        if len(self._unpins) == 2:
+            for key, rid in self._unpins.popleft():
+                self.cache.unpin(key, rid)
+        done: list[tuple[str, str]] = []
+        self._unpins.append(done)
         if not self.items or sched_out.is_empty():
             return None
         slices = plan_step(list(sched_out.request_ids), sched_out.query_start_loc, sched_out.positions, self.items)
+        for s in slices:
+            if s.item_rows[-1] + 1 < s.item.num_tokens:
+                self.cache.pin(s.item.key, s.request_id)
+            else:
+                done.append((s.item.key, s.request_id))
         return MultiModalStep(slices, self.cache) if slices else None
 
     def cancel(self, request_ids: list[str]) -> list[str]:
@@ -98,7 +113,11 @@ class ImageRequests:
         return found
 
     def forget(self, request_id: str) -> None:
-        self.items.pop(request_id, None)
+        for item in self.items.pop(request_id, []):
+            if self._unpins:
+                self._unpins[-1].append((item.key, request_id))
+            else:
+                self.cache.unpin(item.key, request_id)
         self.prompts.pop(request_id, None)
 
     def stats(self) -> dict:

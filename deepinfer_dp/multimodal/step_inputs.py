@@ -24,6 +24,7 @@ class ImageSlice:
     batch_rows: np.ndarray  # int64: rows of the step's flattened tokens
     item: ImageItem
     item_rows: np.ndarray  # int64: rows of the image's embeddings, one per batch row
+    request_id: str = ""
 
 
 @dataclass
@@ -52,7 +53,7 @@ def plan_step(request_ids: list[str], query_start_loc: np.ndarray, positions: np
             begin, end = np.searchsorted(item.positions, [first, last + 1])
             if begin < end:
                 item_rows = np.arange(begin, end, dtype=np.int64)
-                slices.append(ImageSlice(lo + item.positions[begin:end] - first, item, item_rows))
+                slices.append(ImageSlice(lo + item.positions[begin:end] - first, item, item_rows, rid))
     return slices
 
 
