@@ -8,17 +8,13 @@ it. The rank that takes the request fetches, decodes and preprocesses its images
 from __future__ import annotations
 
 import io
-import urllib.parse
-from pathlib import Path
 
 from PIL import Image
 from transformers import AutoProcessor
 
 from deepinfer_dp.multimodal.chat import render_chat_prompt
 from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
-from deepinfer_dp.multimodal.media import MediaError, MediaLimits
-
-SCHEMES = ("data", "http", "https", "file")
+from deepinfer_dp.multimodal.media import MediaError, MediaLimits, allowed_local_path, file_url_path, url_scheme
 
 
 class ImageFront:
@@ -46,24 +42,17 @@ class ImageFront:
 
 
 def check_url(url: str, limits: MediaLimits) -> None:
-    """What can be told of an image URL without fetching it: a scheme the image worker takes,
-    a data URL within the byte limit, a local file under the allowed folder."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme not in SCHEMES:
-        raise MediaError(f"unsupported image URL scheme {scheme or url[:16]!r}: use data:, http(s): or file:")
+    """What can be told of an image URL without fetching it, with the image worker's own
+    checks (media.py): a scheme it takes, a data URL within the byte limit, a local file under
+    the allowed folder."""
+    scheme = url_scheme(url)
     if scheme == "data":
         payload = url.partition(",")[2]
         if len(payload) * 3 // 4 > limits.max_image_bytes:  # base64: 4 characters per 3 bytes
             raise MediaError(f"the data URL holds about {len(payload) * 3 // 4} bytes, more than the limit of "
                              f"{limits.max_image_bytes}")
     elif scheme == "file":
-        if limits.allowed_local_media_path is None:
-            raise MediaError("local image files are not allowed (start with --allowed-local-media-path to allow a "
-                             "folder)")
-        path = urllib.parse.unquote(urllib.parse.urlparse(url).path)
-        root = Path(limits.allowed_local_media_path).resolve()
-        if not Path(path).resolve().is_relative_to(root):
-            raise MediaError(f"the file {path!r} is not under the allowed local media path {str(root)!r}")
+        allowed_local_path(file_url_path(url), limits)
 
 
 def image_for_wire(image: object, where: str) -> str | bytes:
