@@ -104,6 +104,9 @@ class EngineConfig:
     max_image_bytes: int = Field(20 * 2**20, ge=1, description="largest encoded image, any source")
     mm_encoder_cache_tokens: int = Field(16384, ge=1, description="image embeddings the encoder cache keeps, in "
                                                                   "placeholder tokens (least recently used out)")
+    max_num_encoder_input_tokens: int = Field(
+        0, ge=0, description="image tokens the vision encoder may make in one step; a prefill chunk ends before an "
+                             "image that does not fit, and the first image of a step always does (0: no limit)")
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> EngineConfig:

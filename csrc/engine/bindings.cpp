@@ -89,13 +89,16 @@ void bind_scheduler_output(py::module_ &m) {
 void bind_scheduler(py::module_ &m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int max_num_seqs, int max_num_batched_tokens, int block_size, int num_blocks, int max_model_len,
-                       int vocab_size, bool enable_prefix_caching, int sliding_window) {
-             return SchedulerConfig{max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                                    max_model_len, vocab_size, enable_prefix_caching, sliding_window};
+                       int vocab_size, bool enable_prefix_caching, int sliding_window,
+                       int max_num_encoder_input_tokens) {
+             return SchedulerConfig{max_num_seqs,  max_num_batched_tokens, block_size,     num_blocks,
+                                    max_model_len, vocab_size,             enable_prefix_caching, sliding_window,
+                                    max_num_encoder_input_tokens};
            }),
            py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048, py::arg("block_size") = 16,
            py::arg("num_blocks") = 1024, py::arg("max_model_len") = 2048, py::arg("vocab_size") = 32000,
-           py::arg("enable_prefix_caching") = true, py::arg("sliding_window") = 0)
+           py::arg("enable_prefix_caching") = true, py::arg("sliding_window") = 0,
+           py::arg("max_num_encoder_input_tokens") = 0)
       .def_readonly("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readonly("block_size", &SchedulerConfig::block_size)
@@ -105,7 +108,9 @@ void bind_scheduler(py::module_ &m) {
       .def_readonly("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readonly("sliding_window", &SchedulerConfig::sliding_window,
                     "Every layer's sliding window: a sequence's blocks wholly before it are freed as it grows "
-                    "(0: none).");
+                    "(0: none).")
+      .def_readonly("max_num_encoder_input_tokens", &SchedulerConfig::max_num_encoder_input_tokens,
+                    "Image tokens the vision encoder may make in one step (0: no limit).");
 
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init<const SchedulerConfig &>(), py::arg("config"))
@@ -198,6 +203,7 @@ void bind_scheduler(py::module_ &m) {
         d["spec_decode_num_accepted_tokens"] = st.spec_num_accepted_tokens;
         d["spec_decode_num_accepted_tokens_per_pos"] = st.spec_accepted_per_pos;
         d["spec_decode_num_skipped_requests"] = st.spec_skipped_requests;
+        d["encoder_budget_cuts"] = st.encoder_budget_cuts;
         return d;
       });
 }

@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <climits>
+#include <stdexcept>
+#include <tuple>
 
 #include "request_output.h"
 #include "sequence.h"
@@ -147,6 +149,22 @@ void bind_sequence(py::module_ &m) {
       .def_readonly("num_cached_tokens", &Sequence::num_cached_tokens)
       .def_readonly("num_preemptions", &Sequence::num_preemptions)
       .def_readonly("draft_token_ids", &Sequence::draft_token_ids)
+      .def(
+          "set_image_spans",
+          [](Sequence &s, const std::vector<std::tuple<int, int, int>> &spans) {
+            s.image_spans.clear();
+            int last_end = 0;
+            for (const auto &[start, end, tokens] : spans) {
+              if (start < last_end || end <= start || end > s.data.get_prompt_len() || tokens < 1)
+                throw std::invalid_argument("set_image_spans: spans must be ascending, non-empty, within the "
+                                            "prompt, and cost at least one token each");
+              s.image_spans.push_back({start, end, tokens});
+              last_end = end;
+            }
+          },
+          py::arg("spans"),
+          "The prompt's images as (start, end, encoder tokens), ascending; before add_sequence. The "
+          "scheduler's encoder budget counts them.")
       .def_readonly("block_table", &Sequence::block_table);
 }
 

@@ -58,6 +58,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   auto out = std::make_shared<SchedulerOutput>();
   out->scheduler_uid = uid_;
   out->step_id = ++step_id_;
+  encoder_tokens_ = 0;
   out->block_size = config_.block_size;
   reserve_batch(*out);
   out->query_start_loc.push_back(0);
@@ -90,10 +91,14 @@ bool Scheduler::schedule_prefills(SchedulerOutput &out) {
     if (budget <= 0) break;
     int remaining = seq->num_uncomputed();
     if (remaining <= 1 || seq->done_by_length(max_seq_len_)) continue;  // decode-ready
-    int chunk = std::min(remaining, budget);
+    int enc_tokens = 0;
+    size_t enc_charged = 0;
+    int chunk = fit_encoder_budget(*seq, seq->num_computed, std::min(remaining, budget), &enc_tokens, &enc_charged);
+    if (chunk <= 0) continue;  // its next image waits for a step with room in the encoder budget
     blocks_.free_outside_window(*seq, seq->num_computed);
     if (!blocks_.allocate_up_to(*seq, seq->num_computed + chunk)) continue;
     add_to_batch(out, seq, chunk);
+    charge_encoder(*seq, enc_tokens, enc_charged);
     budget -= chunk;
   }
   admit_waiting(out, budget);
@@ -132,9 +137,11 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
       ++i;
       continue;
     }
-    int chunk = std::min(total - cached, budget);
+    int enc_tokens = 0;
+    size_t enc_charged = 0;
+    int chunk = fit_encoder_budget(*seq, cached, std::min(total - cached, budget), &enc_tokens, &enc_charged);
     blocks_.free_outside_window(*seq, cached);  // a long cached prefix: only its window stays
-    if (blocks_.blocks_needed(*seq, cached + chunk) > blocks_.num_free_blocks()) {
+    if (chunk <= 0 || blocks_.blocks_needed(*seq, cached + chunk) > blocks_.num_free_blocks()) {
       blocks_.free_sequence(*seq);
       break;
     }
@@ -148,6 +155,7 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
     seq->status = SequenceStatus::RUNNING;
     running_.push_back(seq);
     add_to_batch(out, seq, chunk);
+    charge_encoder(*seq, enc_tokens, enc_charged);
     budget -= chunk;
     ++active;
     admitted = true;
@@ -195,6 +203,7 @@ bool Scheduler::can_feed_inflight(const Sequence &seq) const {
 void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
   blocks_.free_sequence(*seq);
   seq->num_computed = seq->num_processed = 0;
+  seq->images_charged = 0;  // recomputed: its images may be encoded again
   ++seq->epoch;
   ++seq->num_preemptions;
   ++stats_.num_preemptions;

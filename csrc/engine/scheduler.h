@@ -26,6 +26,9 @@ struct SchedulerConfig {
   int vocab_size = 32000;
   bool enable_prefix_caching = true;
   int sliding_window = 0;  // every layer's sliding window: blocks that leave it are freed (0: none)
+  // Image tokens the vision encoder may make in one step (vLLM's max_num_encoder_input_tokens;
+  // 0: no limit): a prefill chunk ends before an image that does not fit (fit_encoder_budget).
+  int max_num_encoder_input_tokens = 0;
 };
 
 // One step's batch: the selected sequences plus the flat arrays the worker feeds the
@@ -91,6 +94,7 @@ struct SchedulerStats {
   int64_t spec_num_accepted_tokens = 0;
   std::vector<int64_t> spec_accepted_per_pos;
   int64_t spec_skipped_requests = 0;  // started without drafting by the engine-wide back-off
+  int64_t encoder_budget_cuts = 0;    // prefill chunks ended early (or deferred) by the encoder budget
 };
 
 // Prompt lookup (n-gram speculation): the tokens that followed the latest earlier
@@ -178,6 +182,8 @@ class Scheduler {
   bool schedule_prefills(SchedulerOutput &out);
   void schedule_decodes(SchedulerOutput &out);
   bool admit_waiting(SchedulerOutput &out, int &budget);
+  int fit_encoder_budget(const Sequence &seq, int start, int chunk, int *tokens, size_t *charged);
+  void charge_encoder(Sequence &seq, int tokens, size_t charged);
   void preempt(const std::shared_ptr<Sequence> &seq);
   void add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens, int num_drafts = 0);
   int usable_drafts(const Sequence &seq, int budget) const;
@@ -208,6 +214,7 @@ class Scheduler {
   int draft_failed_requests_ = 0;  // requests in a row whose drafts were rarely kept
   int draft_skip_ = 0;             // new requests still to start without drafting
   int64_t step_id_ = 0;
+  int encoder_tokens_ = 0;  // charged against this step's encoder budget so far
   int64_t last_processed_step_ = 0;
   int64_t next_seq_id_ = 1;
   bool has_finished_ = false;  // some queued sequence finished: compact the queues

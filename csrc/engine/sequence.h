@@ -36,6 +36,15 @@ struct SequenceLimits {
   bool allow_drafts = true;
 };
 
+// One image's placeholder tokens in a prompt: positions [start, end) (an image may be split by
+// other tokens, e.g. Idefics3's tile tags) and how many rows the vision encoder makes for it,
+// which is what it costs against the per-step encoder budget (Scheduler::fit_encoder_budget).
+struct ImageSpan {
+  int start = 0;
+  int end = 0;
+  int tokens = 0;
+};
+
 class SequenceData {
  public:
   explicit SequenceData(std::vector<int32_t> prompt_token_ids);
@@ -98,6 +107,11 @@ class Sequence {
   int draft_kept = 0;
   bool draft_admitted = false;  // has been a draft candidate once: its start in the back-off is set
   int draft_failed_probes = 0;  // pauses in a row: each doubles the next one
+
+  // A prompt's images, ascending (set before add_sequence); the first `images_charged` of
+  // them were counted against a step's encoder budget in this epoch (reset on preemption).
+  std::vector<ImageSpan> image_spans;
+  size_t images_charged = 0;
 
   std::vector<int32_t> block_table;  // a block freed out of a sliding window: BlockManager::kDummyBlock
   int num_window_freed = 0;     // leading blocks given back as they left every layer's sliding window

@@ -106,6 +106,13 @@ def connect(frontend: str, rank_info: dict, config: EngineConfig, model_name: st
     server detokenizes itself; `config` names the model, its revision and the tokenizer), the
     ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key)."""
     info = rank_info
-    tokenizer = load_tokenizer(resolve_model_dir(config.model, config.revision), config.tokenizer)
+    model_dir = resolve_model_dir(config.model, config.revision)
+    tokenizer = load_tokenizer(model_dir, config.tokenizer)
     processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
-    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)
+    images = None
+    if info.get("takes_images"):  # a vision model: the processor's chat template, the references checked here
+        from deepinfer_dp.multimodal.front import ImageFront
+
+        images = ImageFront.for_model(model_dir, config.media_limits(), config.limit_mm_per_prompt.get("image", 0))
+    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key,
+                        images=images)

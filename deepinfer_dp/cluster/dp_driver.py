@@ -14,10 +14,14 @@ import queue
 from collections.abc import Callable, Iterable
 
 from deepinfer_dp.cluster.deployment import DPDeployment
+from deepinfer_dp.cluster.protocol import images_to_wire
 from deepinfer_dp.config import EngineConfig
 from deepinfer_dp.config_file import DPSettings
 from deepinfer_dp.engine.client import EngineError, RequestRejected
+from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.engine.outputs import OwnedOutput
+from deepinfer_dp.multimodal.front import image_for_wire
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.sampling_params import SamplingParams
 
 
@@ -32,6 +36,7 @@ class DPDriver:
         self.router = self.deployment.router
         self.tokenizer = self.router.tokenizer
         self.input_processor = self.router.input_processor
+        self.images = self.router.images  # a vision model's ImageFront (chat template, limits), or None
         self._outputs: queue.Queue = queue.Queue()
         self._pending: set[str] = set()
         self._counter = itertools.count()
@@ -53,11 +58,20 @@ class DPDriver:
         params = sampling_params if sampling_params is not None else self.input_processor.default_params()
         return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
 
-    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    mm: MultiModalPrompt | None = None) -> str:
         """Sends a request (n=1) that has passed InputProcessor.process to the router; the
-        rank admits it without checking it again (engine/input_processor.py)."""
+        rank admits it without checking it again (engine/input_processor.py). With `mm` its
+        images go as references (a PIL image as PNG bytes); the rank's image worker fetches
+        them, and a failed one finishes only this request, as at dp 1."""
         rid = str(next(self._counter)) if request_id is None else str(request_id)
-        self.router.submit(rid, ids, params, self._outputs.put)
+        wire = None
+        if mm is not None:
+            if self.images is None:
+                raise InvalidRequest("this model does not take images", "multi_modal_data")
+            images = [image_for_wire(image, f"image {i}") for i, image in enumerate(mm.images)]
+            wire = images_to_wire(mm.prompt, images, mm.image_fields, mm.max_tokens_set)
+        self.router.submit(rid, ids, params, self._outputs.put, wire)
         self._pending.add(rid)
         return rid
 

@@ -17,7 +17,7 @@ the role listed for it below (cluster/inbox.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 
 import msgspec
 
@@ -25,13 +25,36 @@ from deepinfer_dp.cluster.data_plane import CLIENT, RANK, ROUTER
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.sampling_params import SamplingParams
 
-
 # ---- to a rank (and AddRequest, Abort, StatsQuery from a client to the router) ---------
+# Bounds of a request's images on the wire (a frame past them does not decode and is dropped);
+# the rank's own limits (limit_mm_per_prompt, max_image_bytes) are checked by its image worker.
+MAX_WIRE_IMAGES = 64
+MAX_WIRE_IMAGE_BYTES = 64 * 2**20  # an encoded image, or a data URL's characters
+
+
+class ImageRef(msgspec.Struct):
+    """One image of a prompt: a URL (data:, http(s):, file:) the rank fetches, or encoded bytes."""
+
+    url: Annotated[str, msgspec.Meta(max_length=MAX_WIRE_IMAGE_BYTES)] = ""
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_WIRE_IMAGE_BYTES)] = b""
+
+
+class ImageInputs(msgspec.Struct):
+    """A prompt with images (multimodal/image_worker.py's MultiModalPrompt): its text with the
+    model's placeholders, and its images, which the rank's own image worker fetches."""
+
+    prompt: str
+    images: Annotated[list[ImageRef], msgspec.Meta(max_length=MAX_WIRE_IMAGES)]
+    image_fields: Annotated[list[str], msgspec.Meta(max_length=MAX_WIRE_IMAGES)] | None = None
+    max_tokens_set: bool = True
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields, see params_to_wire
     client_id: str = ""  # the client that sent it (the router's bookkeeping; ranks ignore it)
+    mm: ImageInputs | None = None  # a prompt with images: the rank expands it (prompt_token_ids: unexpanded)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -174,3 +197,23 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**fields)  # validated by the sender (engine/input_processor.py)
+
+
+def images_to_wire(prompt: str, images: list[str | bytes], image_fields: list[str] | None,
+                   max_tokens_set: bool) -> ImageInputs:
+    """ValueError naming the image for what the wire would refuse: a frame past its bounds would
+    be dropped by the router's inbox, and its request would never hear back."""
+    if len(images) > MAX_WIRE_IMAGES:
+        raise ValueError(f"{len(images)} images in one prompt; at most {MAX_WIRE_IMAGES} can be sent to the ranks")
+    for i, image in enumerate(images):
+        if len(image) > MAX_WIRE_IMAGE_BYTES:
+            where = image_fields[i] if image_fields else f"image {i}"
+            raise ValueError(f"{where}: {len(image)} {'characters' if isinstance(image, str) else 'bytes'}, more "
+                             f"than the {MAX_WIRE_IMAGE_BYTES} an image sent to the ranks may have")
+    refs = [ImageRef(url=i) if isinstance(i, str) else ImageRef(data=i) for i in images]
+    return ImageInputs(prompt, refs, image_fields, max_tokens_set)
+
+
+def images_from_wire(mm: ImageInputs) -> tuple[str, list[str | bytes], list[str] | None, bool]:
+    """(prompt, images, image_fields, max_tokens_set): MultiModalPrompt's fields."""
+    return mm.prompt, [r.data if r.data else r.url for r in mm.images], mm.image_fields, mm.max_tokens_set

@@ -36,6 +36,7 @@ from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 
 logger = logging.getLogger(__name__)
 PROGRESS_S = 1.0  # inside a wave, a rank whose steps send no outputs still reports a step this often
@@ -160,7 +161,8 @@ class RankServer:
         try:
             # Trusted, not validated again: only peers holding the data plane's key (the API
             # servers and the DP driver, which ran InputProcessor.process) can send AddRequest.
-            self.engine.add_checked(msg.prompt_token_ids, p.params_from_wire(msg.params), msg.request_id)
+            self.engine.add_checked(msg.prompt_token_ids, p.params_from_wire(msg.params), msg.request_id,
+                                    mm=_images(msg.mm))
         except ValueError as e:  # the request's own fault
             self._send(p.Rejected(self.dp_rank, msg.request_id, f"request {msg.request_id}: {e}"))
             return False
@@ -206,3 +208,8 @@ class RankServer:
 
     def _send(self, msg) -> None:
         self._outbox.send(p.encoder.encode(msg))
+
+
+def _images(mm: p.ImageInputs | None) -> MultiModalPrompt | None:
+    """A request's images for this rank's image worker (it fetches and decodes them, as at dp 1)."""
+    return None if mm is None else MultiModalPrompt(*p.images_from_wire(mm))

@@ -80,7 +80,8 @@ class RankActor:
         self._server = server
         self._info = {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
                       "max_model_len": engine.max_model_len, "node_id": ray.get_runtime_context().get_node_id(),
-                      "sampling_defaults": engine.input_processor.sampling_defaults}
+                      "sampling_defaults": engine.input_processor.sampling_defaults,
+                      "takes_images": engine.images is not None}
         return self._info
 
     def info(self) -> dict | None:

@@ -28,7 +28,7 @@ from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
 from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
-from deepinfer_dp.cluster.policies import RoutingPolicy, make_policy
+from deepinfer_dp.cluster.policies import RoutingPolicy, image_digests, make_policy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.config_file import RouterSection
@@ -166,7 +166,8 @@ class Router:
             self._to_client(msg.client_id, p.RequestError(rid, "rejected", f"request {rid} is already running"))
             return
         load = {r.dp_rank: len(r.inflight) for r in up}
-        rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load)]
+        images = image_digests(msg.mm.images) if msg.mm is not None else ()
+        rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load, images)]
         self.membership.work_arrives()
         self._requests[rid] = (msg.client_id, rank.dp_rank)
         client.requests.add(rid)

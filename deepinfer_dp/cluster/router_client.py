@@ -36,6 +36,7 @@ from deepinfer_dp.engine.client import (
     deltas_until_finished,
 )
 from deepinfer_dp.engine.input_processor import InputProcessor
+from deepinfer_dp.multimodal.errors import image_error_field
 from deepinfer_dp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,15 @@ _ERRORS = {"rejected": RequestRejected, "no_capacity": NoCapacity, "rank_failed"
 class RouterClient:
     def __init__(self, frontend_address: str, tokenizer: Any, model_name: str, max_model_len: int,
                  input_processor: InputProcessor, host: str = "127.0.0.1",
-                 router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None) -> None:
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None,
+                 images: Any = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.input_processor = input_processor
+        # A vision model's ImageFront (multimodal/front.py: chat template, reference checks), or None.
+        self.images = images
+        self.image_limit = images.image_limit if images is not None else 0
         self.client_id = uuid.uuid4().hex[:16]
         self._plane = DataPlane(key, CLIENT)  # `key`: peers by role (cluster/data_plane.py)
         # Only the router may send here; a frame that does not decode is dropped and counted.
@@ -77,16 +82,18 @@ class RouterClient:
         self._thread.start()
 
     # ---- the sync core -----------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Sends one validated request (n=1) to the router; its deltas, or the error that ends
-        it, go to `sink` on the receiver thread."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+               mm: p.ImageInputs | None = None) -> None:
+        """Sends one validated request (n=1) to the router, with its images' references (`mm`,
+        fetched by the rank); its deltas, or the error that ends it, go to `sink` on the
+        receiver thread."""
         if self.router_down():
             raise NoCapacity(f"the router has not answered for over {self._router_timeout_s:.0f}s")
         with self._lock:
             if request_id in self._sinks:
                 raise RequestRejected(f"request {request_id} is already running")
             self._sinks[request_id] = sink
-        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id))
+        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id, mm))
 
     def abort_sync(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -115,13 +122,15 @@ class RouterClient:
         return time.monotonic() - self._last_heard > self._router_timeout_s
 
     # ---- EngineClient --------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """TokenDeltas of one request; closing the iterator early aborts it on its rank."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       mm: Any = None) -> AsyncIterator[TokenDelta]:
+        """TokenDeltas of one request; closing the iterator early aborts it on its rank. `mm`: a
+        chat's MultiModalPrompt, whose image URLs go to the rank as they are."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait,
-                                                                                                  item))
+        wire = None if mm is None else _images_to_wire(mm)
+        self.submit(request_id, prompt_token_ids, params,
+                    lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), wire)
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
             yield delta
 
@@ -232,6 +241,15 @@ class RouterClient:
     def _send(self, msg) -> None:
         with self._send_lock:
             self._outbox.send(p.encoder.encode(msg))
+
+
+def _images_to_wire(mm: Any) -> p.ImageInputs:
+    try:
+        return p.images_to_wire(mm.prompt, mm.images, mm.image_fields, mm.max_tokens_set)
+    except ValueError as e:  # past the wire's bounds: the caller's input, a 400 naming the part
+        error = RequestRejected(str(e))
+        error.param = image_error_field(str(e)) or "messages"
+        raise error from None
 
 
 def _call(sink: Sink, item) -> None:

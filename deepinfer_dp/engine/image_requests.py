@@ -11,12 +11,13 @@ embeddings in from the encoder cache, encoding an image on its first use.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from deepinfer_dp import _C
 from deepinfer_dp.engine.input_processor import InvalidRequest
 from deepinfer_dp.engine.request_state import RequestState
-from deepinfer_dp.multimodal.chat import split_chat_images
+from deepinfer_dp.multimodal.chat import render_chat_prompt
 from deepinfer_dp.multimodal.encoder_cache import EncoderCache
 from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
 from deepinfer_dp.multimodal.image_worker import ImageWorker, MultiModalPrompt
@@ -35,6 +36,7 @@ class ImageRequests:
         self.items: dict[str, list[ImageItem]] = {}  # running requests' images
         self.mrope: dict[str, MRopePositions] = {}  # their M-RoPE positions (Qwen2-VL)
         self.prompts: dict[str, MultiModalPrompt] = {}  # waiting requests' prompts
+        self._unpins: deque[list[tuple[str, str]]] = deque()  # per planned step: (image key, request) to unpin
 
     @classmethod
     def for_model(cls, model, model_dir: str, limits: MediaLimits, cache_tokens: int) -> ImageRequests | None:
@@ -49,10 +51,7 @@ class ImageRequests:
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
         """A conversation with image_url parts as one prompt: the processor's chat template's
         text (placeholders where the images were) and the images' URLs, fetched later."""
-        conv, urls, fields = split_chat_images(messages)
-        text = self.worker.processor.processor.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return MultiModalPrompt(text, urls, fields)
+        return render_chat_prompt(self.worker.processor.processor, messages, add_generation_prompt)
 
     def submit(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt
@@ -75,8 +74,11 @@ class ImageRequests:
                 try:
                     n = _fit(mm, processed, state.params, max_model_len)
                     # no drafts: an n-gram proposer would copy placeholder ids, which are not tokens
-                    ready.append(_C.Sequence(rid, processed.scheduler_token_ids(vocab_size),
-                                             limits(rid, n, state.params, False)))
+                    ids = processed.scheduler_token_ids(vocab_size)
+                    seq = _C.Sequence(rid, ids, limits(rid, n, state.params, False))
+                    seq.set_image_spans([(int(i.positions[0]), int(i.positions[-1]) + 1, i.num_tokens)
+                                         for i in processed.items])  # the scheduler's encoder budget
+                    ready.append(seq)
                 except ValueError as e:
                     error = str(e)
             if error is not None:
@@ -89,11 +91,24 @@ class ImageRequests:
 
     def plan(self, sched_out: _C.SchedulerOutput) -> MultiModalStep | None:
         """The image rows of this step (and an M-RoPE model's positions), or None when it
-        computes no image row and its positions are as scheduled."""
+        computes no image row and its positions are as scheduled. An image this step begins but
+        does not finish stays pinned in the encoder cache until a step computes its last rows;
+        the unpin waits two steps, until that step's forward surely ran (the post-processing of
+        step N, which needs its forward, comes before step N + 2 is planned)."""
+        if len(self._unpins) == 2:
+            for key, rid in self._unpins.popleft():
+                self.cache.unpin(key, rid)
+        done: list[tuple[str, str]] = []
+        self._unpins.append(done)
         if not self.items or sched_out.is_empty():
             return None
         rids, qsl, positions = list(sched_out.request_ids), sched_out.query_start_loc, sched_out.positions
         slices = plan_step(rids, qsl, positions, self.items)
+        for s in slices:
+            if s.item_rows[-1] + 1 < s.item.num_tokens:
+                self.cache.pin(s.item.key, s.request_id)
+            else:
+                done.append((s.item.key, s.request_id))
         mrope = step_positions(rids, qsl, positions, self.mrope) if self.mrope else None
         return MultiModalStep(slices, self.cache, mrope) if slices or mrope is not None else None
 
@@ -104,7 +119,11 @@ class ImageRequests:
         return found
 
     def forget(self, request_id: str) -> None:
-        self.items.pop(request_id, None)
+        for item in self.items.pop(request_id, []):
+            if self._unpins:
+                self._unpins[-1].append((item.key, request_id))
+            else:
+                self.cache.unpin(item.key, request_id)
         self.mrope.pop(request_id, None)
         self.prompts.pop(request_id, None)
 

@@ -120,11 +120,10 @@ class LLM:
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
     def _image_requests(self):
-        images = self.llm_engine.images if self.llm_engine is not None else None
+        """The engine's ImageRequests, or over Ray the driver's ImageFront: both render a chat."""
+        images = self._submitter.images
         if images is None:
-            raise InvalidRequest("this model does not take images" if self.llm_engine is not None else
-                                 "images are not supported with dp_size > 1 over Ray; use torchrun or dp_size 1",
-                                 "multi_modal_data")
+            raise InvalidRequest("this model does not take images", "multi_modal_data")
         return images
 
     def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams]) -> dict[str, int]:
@@ -157,7 +156,7 @@ class LLM:
                                  "prompt")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        limit = self._image_requests() and self.llm_engine.config.limit_mm_per_prompt.get("image", 0)
+        limit = self._image_requests() and self._submitter.config.limit_mm_per_prompt.get("image", 0)
         if len(images) > limit:
             raise InvalidRequest(f"{len(images)} images, more than limit_mm_per_prompt allows ({limit})",
                                  "multi_modal_data.image")

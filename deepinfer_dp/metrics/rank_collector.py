@@ -79,6 +79,10 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("mm_encoder_time_seconds", "counter", "encoder_time_s", "Time in the vision encoder (inside steps)."),
     ("mm_encoder_cache_hits", "counter", "encoder_cache_hits", "Images whose embeddings came from the cache."),
     ("mm_encoder_cache_misses", "counter", "encoder_cache_misses", "Images the vision encoder had to run for."),
+    ("mm_encoder_tokens", "counter", "encoder_tokens", "Image tokens (embedding rows) the vision encoder made."),
+    ("mm_encoder_tokens_max_step", "gauge", "encoder_tokens_max_step",
+     "The most image tokens the vision encoder made in one step (at most max_num_encoder_input_tokens, "
+     "or one image when a single image is larger)."),
 ]
 PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0 = first).")
 

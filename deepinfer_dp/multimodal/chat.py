@@ -7,6 +7,7 @@ Every `{"type": "image_url", "image_url": {"url": ...}}` part becomes the templa
 
 from __future__ import annotations
 
+from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.multimodal.media import MediaError
 
 
@@ -43,3 +44,11 @@ def has_image_parts(messages: list[dict]) -> bool:
     return any(isinstance(part, dict) and part.get("type") == "image_url"
                for message in messages if isinstance(message.get("content"), list)
                for part in message["content"])
+
+
+def render_chat_prompt(processor, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
+    """A conversation with image_url parts as one prompt: the processor's chat template's text
+    (placeholders where the images were) and the images' URLs, fetched later, with their fields."""
+    conv, urls, fields = split_chat_images(messages)
+    text = processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return MultiModalPrompt(text, urls, fields)

@@ -40,16 +40,38 @@ def load_image(source: object, limits: MediaLimits) -> Image.Image:
     return decode_image(fetch_bytes(source, limits), limits)
 
 
-def fetch_bytes(url: str, limits: MediaLimits) -> bytes:
+def url_scheme(url: str) -> str:
+    """"data", "http", "https" or "file"; MediaError for any other."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme not in ("data", "http", "https", "file"):
+        raise MediaError(f"unsupported image URL scheme {scheme or url[:16]!r}: use data:, http(s): or file:")
+    return scheme
+
+
+def file_url_path(url: str) -> str:
+    return urllib.parse.unquote(urllib.parse.urlparse(url).path)
+
+
+def allowed_local_path(path: str, limits: MediaLimits) -> Path:
+    """The resolved `path`, or MediaError when it is not under the allowed local media folder."""
+    if limits.allowed_local_media_path is None:
+        raise MediaError("local image files are not allowed (start with --allowed-local-media-path to allow a "
+                         "folder)")
+    root = Path(limits.allowed_local_media_path).resolve()
+    target = Path(path).resolve()
+    if not target.is_relative_to(root):
+        raise MediaError(f"the file {path!r} is not under the allowed local media path {str(root)!r}")
+    return target
+
+
+def fetch_bytes(url: str, limits: MediaLimits) -> bytes:
+    scheme = url_scheme(url)
     if scheme == "data":
         data = _data_url(url)
-    elif scheme in ("http", "https"):
-        data = _http(url, limits)
     elif scheme == "file":
-        data = _local_file(urllib.parse.unquote(urllib.parse.urlparse(url).path), limits)
+        data = _local_file(file_url_path(url), limits)
     else:
-        raise MediaError(f"unsupported image URL scheme {scheme or url[:16]!r}: use data:, http(s): or file:")
+        data = _http(url, limits)
     if len(data) > limits.max_image_bytes:
         raise MediaError(f"the image has {len(data)} bytes, more than the limit of {limits.max_image_bytes}")
     return data
@@ -119,13 +141,7 @@ def _http(url: str, limits: MediaLimits) -> bytes:
 
 
 def _local_file(path: str, limits: MediaLimits) -> bytes:
-    if limits.allowed_local_media_path is None:
-        raise MediaError("local image files are not allowed (start with --allowed-local-media-path to allow a "
-                         "folder)")
-    root = Path(limits.allowed_local_media_path).resolve()
-    target = Path(path).resolve()
-    if not target.is_relative_to(root):
-        raise MediaError(f"the file {path!r} is not under the allowed local media path {str(root)!r}")
+    target = allowed_local_path(path, limits)
     try:
         size = target.stat().st_size
         if size > limits.max_image_bytes:

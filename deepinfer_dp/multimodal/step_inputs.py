@@ -24,6 +24,7 @@ class ImageSlice:
     batch_rows: np.ndarray  # int64: rows of the step's flattened tokens
     item: ImageItem
     item_rows: np.ndarray  # int64: rows of the image's embeddings, one per batch row
+    request_id: str = ""
 
 
 @dataclass
@@ -38,6 +39,7 @@ class MultiModalStep:
         """The step's input embeddings; None when it has no image row (the ids are looked up as usual)."""
         if not self.slices:
             return None
+        self.cache.start_step()
         return splice(model.embed_input_ids, model.encode_image, input_ids, vocab_size, self.slices, self.cache)
 
     def positions(self, scheduled: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ def plan_step(request_ids: list[str], query_start_loc: np.ndarray, positions: np
             begin, end = np.searchsorted(item.positions, [first, last + 1])
             if begin < end:
                 item_rows = np.arange(begin, end, dtype=np.int64)
-                slices.append(ImageSlice(lo + item.positions[begin:end] - first, item, item_rows))
+                slices.append(ImageSlice(lo + item.positions[begin:end] - first, item, item_rows, rid))
     return slices
 
 

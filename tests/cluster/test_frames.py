@@ -37,6 +37,11 @@ def garbage() -> list[bytes]:
         enc({"type": "Wake", "wave": "soon"}),
         enc({"type": "AddRequest", "request_id": "x", "prompt_token_ids": ["a"], "params": {}}),
         enc({"type": "Deltas", "dp_rank": 0, "deltas": [{"request_id": 1}]}),
+        # images past the wire's bounds, or of the wrong shape
+        enc({"type": "AddRequest", "request_id": "x", "prompt_token_ids": [1], "params": {},
+             "mm": {"prompt": "x", "images": [{"url": "u"}] * (p.MAX_WIRE_IMAGES + 1)}}),
+        enc({"type": "AddRequest", "request_id": "x", "prompt_token_ids": [1], "params": {},
+             "mm": {"prompt": "x", "images": ["data:image/png;base64,AAAA"]}}),
         b"\xcf" + b"\xff" * 4,  # a uint64 cut short
         rng.randbytes(HUGE),  # huge
     ]

@@ -98,3 +98,17 @@ def test_http_fetch_limits_and_errors(image_server):
         load_image(f"{image_server}/a.png", MediaLimits(max_image_bytes=100))
     with pytest.raises(MediaError, match="took longer than 0.3 s"):
         load_image(f"{image_server}/slow.png", MediaLimits(fetch_timeout_s=0.3))
+
+
+def test_a_front_end_checks_references_without_fetching_them(tmp_path):
+    from deepinfer_dp.multimodal.front import check_url
+
+    limits = MediaLimits(max_image_bytes=30, allowed_local_media_path=str(tmp_path))
+    check_url("http://127.0.0.1:9/never-fetched.png", limits)  # nothing listens there: not fetched
+    check_url(f"file://{tmp_path}/not-yet-there.png", limits)  # under the folder: the rank reads it
+    check_url("data:image/png;base64," + "A" * 40, limits)
+    for url, message in [("ftp://x/a.png", "unsupported image URL scheme"),
+                         ("file:///etc/hostname", "not under the allowed local media path"),
+                         ("data:image/png;base64," + "A" * 44, "more than the limit of 30")]:
+        with pytest.raises(MediaError, match=message):
+            check_url(url, limits)

@@ -1,8 +1,9 @@
-"""Chat requests with image_url parts, for a model that takes images (dp 1: the engine in
-this process). The conversation goes through the model's processor's chat template off the
-event loop; the images themselves are fetched, decoded and preprocessed by the engine's image
-worker, and a bad one answers 400 naming its field (`messages.0.content.1.image_url`)
-before any token is streamed."""
+"""Chat requests with image_url parts, for a model that takes images. The conversation goes
+through the model's processor's chat template off the event loop (the engine's at dp 1, the
+client's ImageFront behind the router, which also checks each URL's scheme and allowed folder);
+the images themselves are fetched, decoded and preprocessed by the image worker of the engine
+that runs the request, and a bad one answers 400 naming its field
+(`messages.0.content.1.image_url`) before any token is streamed."""
 
 from __future__ import annotations
 
