@@ -45,12 +45,14 @@ class ImageRequests:
         prompts = ImagePromptProcessor(processor, model.image_token_id, family)
         return cls(ImageWorker(prompts, limits), EncoderCache(cache_tokens))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> MultiModalPrompt:
         """A conversation with image_url parts as one prompt: the processor's chat template's
-        text (placeholders where the images were) and the images' URLs, fetched later."""
+        (or `chat_template`'s) text, placeholders where the images were, and the images' URLs,
+        fetched later."""
         conv, urls, fields = split_chat_images(messages)
         text = self.worker.processor.processor.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            conv, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=chat_template)
         return MultiModalPrompt(text, urls, fields)
 
     def submit(self, request_id: str, prompt: MultiModalPrompt) -> None:
