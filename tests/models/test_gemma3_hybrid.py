@@ -76,3 +76,16 @@ def test_preemption_under_a_tight_pool_keeps_the_tokens(hybrid_dir):
         preemptions[hybrid] = stats["num_preemptions"]
     assert preemptions[True] > 0  # the pool was tight
     assert preemptions[True] < preemptions[False]  # and the groups left it less so
+
+
+def test_speculative_decoding_keeps_one_group(hybrid_dir):
+    """A speculative step verifies drafts through the whole table (and a draft model or MTP
+    head reads it): one group that keeps every block, tokens still transformers'."""
+    prompts = window_prompts(4)[:2]
+    llm = LLM(str(hybrid_dir), decode_sequence=False, max_num_batched_tokens=32, block_size=4, num_kv_blocks=300,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    config = llm.llm_engine.scheduler.config
+    assert (config.num_kv_groups, config.sliding_window) == (1, 0)
+    ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, **GREEDY),
+                                  use_tqdm=False))
+    assert ours == hf_greedy(hybrid_dir, prompts, 24)
