@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from model_utils import token_ids, write_tiny_model
 from test_gemma3 import WINDOW, gemma3_config
-from test_sliding_window import GREEDY, check_greedy, hf_greedy, run_one_and_watch, window_prompts
+from test_sliding_window import CASES, GREEDY, check_greedy, hf_greedy, run_one_and_watch, window_prompts
 
 from deepinfer_dp import LLM, SamplingParams
 from deepinfer_dp.layers.kv_groups import plan_kv_groups
@@ -41,9 +41,11 @@ def test_groups_of_gemma3_270m_and_the_single_group_cases():
     assert plan_kv_groups([0, 16], hybrid=False).num_groups == 1
 
 
-def test_greedy_matches_transformers_in_groups(hybrid_dir):
-    """16 prompts with chunked prefill and prefix-cache hits, read through the groups' tables."""
-    llm = check_greedy(hybrid_dir, 16, 24, num_kv_blocks=6 * 128 + 1)
+@pytest.mark.parametrize(("count", "max_tokens"), CASES)
+def test_greedy_matches_transformers_in_groups(hybrid_dir, count, max_tokens):
+    """Prompts past the window with chunked prefill and prefix-cache hits, read through the
+    groups' tables."""
+    llm = check_greedy(hybrid_dir, count, max_tokens, num_kv_blocks=6 * 128 + 1)
     config = llm.llm_engine.scheduler.config  # one full and five sliding groups of one layer
     assert (config.num_kv_groups, config.num_full_kv_groups, config.sliding_window) == (6, 1, WINDOW)
 
@@ -64,14 +66,14 @@ def test_preemption_under_a_tight_pool_keeps_the_tokens(hybrid_dir):
     their tokens still transformers'. Without the groups the same memory holds fewer at once."""
     prompts = window_prompts(16)[:8]
     params = SamplingParams(max_tokens=24, **GREEDY)
-    preemptions = {}
+    preemptions, expected = {}, hf_greedy(hybrid_dir, prompts, 24)
     for hybrid in (True, False):
         # the same memory: 6 x 40 blocks of one layer, or 40 blocks of all six
         blocks = 6 * 40 + 1 if hybrid else 40 + 1
         llm = LLM(str(hybrid_dir), decode_sequence=False, max_num_batched_tokens=32, block_size=4,
                   num_kv_blocks=blocks, max_model_len=120, disable_hybrid_kv_cache_manager=not hybrid)
         ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
-        assert ours == hf_greedy(hybrid_dir, prompts, 24)
+        assert ours == expected
         stats = llm.llm_engine.scheduler.stats
         preemptions[hybrid] = stats["num_preemptions"]
     assert preemptions[True] > 0  # the pool was tight
