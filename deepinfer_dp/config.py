@@ -68,6 +68,10 @@ class EngineConfig:
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + output (default: the "
                                                               "model's, capped at 8192)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False, description="keep every block of every layer in a model that mixes sliding-window and full "
+                           "attention layers (Gemma 3), instead of freeing the sliding layers' blocks "
+                           "that left their window")
     zos: bool = Field(True, description="zero-overhead scheduling: post-process a decode step during "
                                         "the next one")
     cpu_linear_kernel: bool = Field(True, description="fp32 on the CPU: decode-sized matrix products "

@@ -81,6 +81,9 @@ class ServerSection(_Section):
                                                               "(server-wide) before new ones get 503")
     chat_special_tokens_as_text: bool = Field(True, description="special-token strings typed in chat "
                                                                 "content stay text (not control tokens)")
+    chat_template: str | None = Field(None, description="the chat template of /v1/chat/completions, a Jinja "
+                                      "file or the template itself (default: the model's; needed for a model "
+                                      "without one, such as a base GGUF file)")
     enable_auto_tool_choice: bool = Field(False, description="serve tool_choice \"auto\" (the default with "
                                                              "tools): read tool calls out of free text")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="the format the model writes tool calls "
@@ -96,7 +99,8 @@ class ServerSection(_Section):
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,
                             self.chat_special_tokens_as_text,
                             self.tool_call_parser if self.enable_auto_tool_choice else None,
-                            self.request_read_timeout_s, self.timeout_keep_alive_s, self.stall_timeout_s)
+                            self.request_read_timeout_s, self.timeout_keep_alive_s, self.stall_timeout_s,
+                            self.chat_template)
 
 
 # The server section as the HTTP front reads it (entrypoints/openai/admission.py enforces it):
@@ -117,6 +121,7 @@ class ServerLimits:
     request_read_timeout_s: float = _server_default("request_read_timeout_s")  # else 408
     timeout_keep_alive_s: float = _server_default("timeout_keep_alive_s")
     stall_timeout_s: float = _server_default("stall_timeout_s")
+    chat_template: str | None = None  # the template's text (serve reads --chat-template once, at start)
 
 
 class MetricsSection(_Section):

@@ -45,6 +45,9 @@ void bind_scheduler_output(py::module_ &m) {
       .def_readonly("step_id", &SO::step_id)
       .def_readonly("is_prompt", &SO::is_prompt)
       .def_readonly("has_inflight_inputs", &SO::has_inflight_inputs)
+      .def_readonly("num_kv_groups", &SO::num_kv_groups,
+                    "KV groups: slot_mapping holds num_kv_groups slots per token, and each block-table row "
+                    "interleaves the groups' blocks (entry i * num_kv_groups + g: group g's block i).")
       .def_property_readonly("num_seqs", &SO::num_seqs)
       .def_property_readonly("num_tokens", &SO::num_tokens)
       .def_property_readonly("num_samples", &SO::num_samples)
@@ -89,16 +92,16 @@ void bind_scheduler_output(py::module_ &m) {
 void bind_scheduler(py::module_ &m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int max_num_seqs, int max_num_batched_tokens, int block_size, int num_blocks, int max_model_len,
-                       int vocab_size, bool enable_prefix_caching, int sliding_window,
-                       int max_num_encoder_input_tokens) {
+                       int vocab_size, bool enable_prefix_caching, int sliding_window, int num_kv_groups,
+                       int num_full_kv_groups, int max_num_encoder_input_tokens) {
              return SchedulerConfig{max_num_seqs,  max_num_batched_tokens, block_size,     num_blocks,
                                     max_model_len, vocab_size,             enable_prefix_caching, sliding_window,
-                                    max_num_encoder_input_tokens};
+                                    num_kv_groups, num_full_kv_groups, max_num_encoder_input_tokens};
            }),
            py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048, py::arg("block_size") = 16,
            py::arg("num_blocks") = 1024, py::arg("max_model_len") = 2048, py::arg("vocab_size") = 32000,
-           py::arg("enable_prefix_caching") = true, py::arg("sliding_window") = 0,
-           py::arg("max_num_encoder_input_tokens") = 0)
+           py::arg("enable_prefix_caching") = true, py::arg("sliding_window") = 0, py::arg("num_kv_groups") = 1,
+           py::arg("num_full_kv_groups") = 0, py::arg("max_num_encoder_input_tokens") = 0)
       .def_readonly("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readonly("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readonly("block_size", &SchedulerConfig::block_size)
@@ -107,8 +110,13 @@ void bind_scheduler(py::module_ &m) {
       .def_readonly("vocab_size", &SchedulerConfig::vocab_size)
       .def_readonly("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readonly("sliding_window", &SchedulerConfig::sliding_window,
-                    "Every layer's sliding window: a sequence's blocks wholly before it are freed as it grows "
-                    "(0: none).")
+                    "The sliding groups' window: a sequence's blocks of those groups wholly before it are freed "
+                    "as it grows (0: none).")
+      .def_readonly("num_kv_groups", &SchedulerConfig::num_kv_groups,
+                    "KV groups (vLLM's hybrid allocator): a sequence holds one block per group for each block_size "
+                    "positions, all groups drawing on the one pool of num_blocks.")
+      .def_readonly("num_full_kv_groups", &SchedulerConfig::num_full_kv_groups,
+                    "Groups [0, num_full_kv_groups) keep every block; the others free theirs as they leave the window.")
       .def_readonly("max_num_encoder_input_tokens", &SchedulerConfig::max_num_encoder_input_tokens,
                     "Image tokens the vision encoder may make in one step (0: no limit).");
 

@@ -18,11 +18,14 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finalizer: full avalanche
 }
 }  // namespace
 
-BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int sliding_window)
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching, int sliding_window,
+                           int num_groups, int num_full_groups)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
       sliding_window_(sliding_window),
+      num_groups_(num_groups),
+      num_full_groups_(num_full_groups),
       ref_count_(num_blocks, 0),
       prev_(num_blocks, -1),
       next_(num_blocks, -1),
@@ -30,6 +33,7 @@ BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_ca
       has_hash_(num_blocks, 0),
       block_hash_(num_blocks, 0),
       block_parent_(num_blocks, 0),
+      block_group_(num_blocks, 0),
       block_tokens_(enable_prefix_caching ? static_cast<size_t>(num_blocks) * block_size : 0) {
   ref_count_[kDummyBlock] = 1;  // pinned forever
   for (int b = 1; b < num_blocks_; ++b) push_free(b, false);
@@ -41,14 +45,36 @@ uint64_t BlockManager::chain_hash(uint64_t parent, const int32_t *tokens) const 
   return h;
 }
 
-int BlockManager::find_cached(uint64_t hash, uint64_t parent, const int32_t *tokens) const {
-  auto it = hash_to_block_.find(hash);
+// Each group's copy of a block is cached under its own key (group 0's is the chained hash).
+uint64_t BlockManager::group_key(uint64_t hash, int group) const {
+  return group == 0 ? hash : mix64(hash ^ (0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(group)));
+}
+
+int BlockManager::find_cached(uint64_t hash, uint64_t parent, const int32_t *tokens, int group) const {
+  auto it = hash_to_block_.find(group_key(hash, group));
   if (it == hash_to_block_.end()) return -1;
   int b = it->second;
-  // A hash collision must never hand out another prompt's KV: compare the key itself.
+  // A hash collision must never hand out another prompt's (or group's) KV: compare the key itself.
   const int32_t *stored = &block_tokens_[static_cast<size_t>(b) * block_size_];
-  if (block_parent_[b] != parent || std::memcmp(stored, tokens, sizeof(int32_t) * block_size_) != 0) return -1;
+  if (block_parent_[b] != parent || block_group_[b] != group ||
+      std::memcmp(stored, tokens, sizeof(int32_t) * block_size_) != 0)
+    return -1;
   return b;
+}
+
+// A prefix block is a hit only when every group still has it cached (a sliding group's copy
+// may have been evicted after it left a window): then all of them are taken.
+bool BlockManager::take_cached_blocks(Sequence &seq, uint64_t hash, uint64_t parent, const int32_t *tokens) {
+  int found[kMaxGroups];
+  for (int g = 0; g < num_groups_; ++g)
+    if ((found[g] = find_cached(hash, parent, tokens, g)) < 0) return false;
+  for (int g = 0; g < num_groups_; ++g) {
+    const int b = found[g];
+    if (ref_count_[b] == 0) unlink_free(b);
+    ++ref_count_[b];
+    seq.block_table.push_back(b);
+  }
+  return true;
 }
 
 int BlockManager::take_prefix(Sequence &seq, int max_blocks) {
@@ -59,11 +85,7 @@ int BlockManager::take_prefix(Sequence &seq, int max_blocks) {
   for (; taken < max_blocks; ++taken) {
     const int32_t *blk = tokens.data() + static_cast<size_t>(taken) * block_size_;
     uint64_t h = chain_hash(parent, blk);
-    int b = find_cached(h, parent, blk);
-    if (b < 0) break;
-    if (ref_count_[b] == 0) unlink_free(b);
-    ++ref_count_[b];
-    seq.block_table.push_back(b);
+    if (!take_cached_blocks(seq, h, parent, blk)) break;
     parent = h;
   }
   seq.num_hashed_blocks = taken;
@@ -79,8 +101,18 @@ bool BlockManager::next_block_hash(const Sequence &seq, int max_blocks, uint64_t
 }
 
 int BlockManager::blocks_needed(const Sequence &seq, int num_positions) const {
-  int want = (num_positions + block_size_ - 1) / block_size_;
-  return std::max(0, want - static_cast<int>(seq.block_table.size()));
+  return std::max(0, table_len(num_positions) - static_cast<int>(seq.block_table.size()));
+}
+
+void BlockManager::push_slots(const Sequence &seq, int p, std::vector<int64_t> &slots) const {
+  const size_t first = static_cast<size_t>(p / block_size_) * num_groups_;
+  for (int g = 0; g < num_groups_; ++g)
+    slots.push_back(static_cast<int64_t>(seq.block_table[first + g]) * block_size_ + p % block_size_);
+}
+
+void BlockManager::release(int b) {
+  if (b == kDummyBlock) return;  // freed out of the window already
+  if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
 }
 
 bool BlockManager::allocate_up_to(Sequence &seq, int num_positions) {
@@ -91,29 +123,31 @@ bool BlockManager::allocate_up_to(Sequence &seq, int num_positions) {
 }
 
 int BlockManager::free_outside_window(Sequence &seq, int first_query) {
-  if (sliding_window_ <= 0) return 0;
+  if (sliding_window_ <= 0 || num_full_groups_ >= num_groups_) return 0;
   const int first_seen = first_query + 1 - sliding_window_;
-  const int dead = std::min(first_seen > 0 ? first_seen / block_size_ : 0, static_cast<int>(seq.block_table.size()));
+  const int held = static_cast<int>(seq.block_table.size()) / num_groups_;
+  const int dead = std::min(first_seen > 0 ? first_seen / block_size_ : 0, held);
   int freed = 0;
   for (int i = seq.num_window_freed; i < dead; ++i) {
-    const int b = seq.block_table[i];
-    seq.block_table[i] = kDummyBlock;
-    if (b == kDummyBlock) continue;
-    if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
-    ++freed;
+    for (int g = num_full_groups_; g < num_groups_; ++g) {
+      int &entry = seq.block_table[static_cast<size_t>(i) * num_groups_ + g];
+      const int b = entry;
+      entry = kDummyBlock;
+      if (b == kDummyBlock) continue;
+      release(b);
+      ++freed;
+    }
   }
   seq.num_window_freed = std::max(seq.num_window_freed, dead);
   return freed;
 }
 
 void BlockManager::trim(Sequence &seq, int num_positions) {
-  size_t keep = static_cast<size_t>((std::max(num_positions, 0) + block_size_ - 1) / block_size_);
+  const size_t keep = static_cast<size_t>(table_len(std::max(num_positions, 0)));
   while (seq.block_table.size() > keep) {
-    int b = seq.block_table.back();
-    seq.block_table.pop_back();
-    if (b == kDummyBlock) continue;  // freed out of the window already
     // Never a hashed block: only full blocks of accepted tokens are keyed, and those are kept.
-    if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
+    release(seq.block_table.back());
+    seq.block_table.pop_back();
   }
 }
 
@@ -121,32 +155,33 @@ void BlockManager::register_full_blocks(Sequence &seq) {
   if (!prefix_caching_) return;
   const auto &tokens = seq.data.get_token_ids();
   int full = std::min(seq.num_processed, seq.data.get_len()) / block_size_;
-  full = std::min(full, static_cast<int>(seq.block_table.size()));
+  full = std::min(full, static_cast<int>(seq.block_table.size()) / num_groups_);
   for (int i = seq.num_hashed_blocks; i < full; ++i) {
     const int32_t *blk = tokens.data() + static_cast<size_t>(i) * block_size_;
     uint64_t h = chain_hash(seq.last_block_hash, blk);
-    int b = seq.block_table[i];
-    // A block freed out of the window before it was keyed holds nothing of this sequence's
-    // any more: the chain goes on past it, but it is never a prefix hit.
-    if (b != kDummyBlock && !has_hash_[b] && hash_to_block_.find(h) == hash_to_block_.end()) {
-      hash_to_block_[h] = b;
-      has_hash_[b] = 1;
-      block_hash_[b] = h;
-      block_parent_[b] = seq.last_block_hash;
-      std::memcpy(&block_tokens_[static_cast<size_t>(b) * block_size_], blk, sizeof(int32_t) * block_size_);
-    }
+    for (int g = 0; g < num_groups_; ++g)
+      register_block(seq.block_table[static_cast<size_t>(i) * num_groups_ + g], h, seq.last_block_hash, blk, g);
     seq.last_block_hash = h;
     seq.num_hashed_blocks = i + 1;
   }
 }
 
+void BlockManager::register_block(int b, uint64_t hash, uint64_t parent, const int32_t *tokens, int group) {
+  // A block freed out of the window before it was keyed holds nothing of this sequence's
+  // any more: the chain goes on past it, but it is never a prefix hit.
+  const uint64_t key = group_key(hash, group);
+  if (b == kDummyBlock || has_hash_[b] || hash_to_block_.find(key) != hash_to_block_.end()) return;
+  hash_to_block_[key] = b;
+  has_hash_[b] = 1;
+  block_hash_[b] = key;
+  block_parent_[b] = parent;
+  block_group_[b] = group;
+  std::memcpy(&block_tokens_[static_cast<size_t>(b) * block_size_], tokens, sizeof(int32_t) * block_size_);
+}
+
 void BlockManager::free_sequence(Sequence &seq) {
   // Release in reverse so a sequence's tail blocks are evicted before its shared head.
-  for (auto it = seq.block_table.rbegin(); it != seq.block_table.rend(); ++it) {
-    int b = *it;
-    if (b == kDummyBlock) continue;  // freed out of the window already
-    if (--ref_count_[b] == 0) push_free(b, !has_hash_[b]);
-  }
+  for (auto it = seq.block_table.rbegin(); it != seq.block_table.rend(); ++it) release(*it);
   seq.block_table.clear();
   seq.num_window_freed = 0;
   seq.num_hashed_blocks = 0;

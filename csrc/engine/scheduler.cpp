@@ -19,9 +19,11 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 Scheduler::Scheduler(const SchedulerConfig &config)
     : config_(checked(config)),
       max_seq_len_(static_cast<int>(std::min<int64_t>(
-          config.max_model_len, static_cast<int64_t>(config.num_blocks - 1) * config.block_size + 1))),
+          config.max_model_len,
+          static_cast<int64_t>((config.num_blocks - 1) / config.num_kv_groups) * config.block_size + 1))),
       uid_(next_scheduler_uid()),
-      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window),
+      blocks_(config.num_blocks, config.block_size, config.enable_prefix_caching, config.sliding_window,
+              config.num_kv_groups, config.num_full_kv_groups),
       pool_(std::make_shared<RequestOutputPool>()) {}
 
 void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
@@ -34,7 +36,7 @@ void Scheduler::add_sequence(const std::shared_ptr<Sequence> &seq) {
   int final_len = static_cast<int>(
       std::min<int64_t>(static_cast<int64_t>(seq->data.get_len()) + seq->limits.max_tokens, max_seq_len_));
   seq->data.reserve(final_len);
-  seq->block_table.reserve(ceil_div(final_len, config_.block_size));
+  seq->block_table.reserve(blocks_.table_len(final_len));
   waiting_.push_back(seq);
   by_request_[seq->request_id] = seq;
 }
@@ -60,6 +62,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   out->step_id = ++step_id_;
   encoder_tokens_ = 0;
   out->block_size = config_.block_size;
+  out->num_kv_groups = config_.num_kv_groups;
   reserve_batch(*out);
   out->query_start_loc.push_back(0);
   if (!schedule_prefills(*out)) schedule_decodes(*out);
@@ -122,7 +125,7 @@ bool Scheduler::admit_waiting(SchedulerOutput &out, int &budget) {
     int total = seq->total_len();
     // Cannot happen: a sequence finishes ("length") when it reaches max_seq_len_, which the
     // whole cache holds. Were it broken, the queue would wait forever: say so instead.
-    if (ceil_div(total, config_.block_size) > blocks_.num_usable_blocks())
+    if (blocks_.table_len(total) > blocks_.num_usable_blocks())
       throw std::logic_error("scheduler: request '" + seq->request_id + "' has " + std::to_string(total) +
                              " tokens, more than the whole KV cache holds");
     // Always compute the last token; compute everything when the request needs each prompt
@@ -214,7 +217,6 @@ void Scheduler::preempt(const std::shared_ptr<Sequence> &seq) {
 // `num_drafts` of the sequence's draft tokens follow its last token (a decode step only).
 void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequence> &seq, int num_tokens,
                              int num_drafts) {
-  const int bs = config_.block_size;
   const auto &tokens = seq->data.get_token_ids();
   const int len = seq->data.get_len();
   const int start = seq->num_computed;
@@ -232,14 +234,14 @@ void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequenc
       out.has_inflight_inputs = true;
     }
     out.positions.push_back(p);
-    out.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[p / bs]) * bs + p % bs);
+    blocks_.push_slots(*seq, p, out.slot_mapping);
   }
   for (int j = 0; j < num_drafts; ++j) {
     int p = start + num_tokens + j;
     out.input_ids.push_back(seq->draft_token_ids[j]);
     out.input_from_prev.push_back(-1);
     out.positions.push_back(p);
-    out.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[p / bs]) * bs + p % bs);
+    blocks_.push_slots(*seq, p, out.slot_mapping);
   }
   num_tokens += num_drafts;
   seq->num_computed += num_tokens;
@@ -267,7 +269,7 @@ void Scheduler::add_to_batch(SchedulerOutput &out, const std::shared_ptr<Sequenc
 }
 
 void Scheduler::finalize_batch(SchedulerOutput &out) {
-  int max_blocks = 1;
+  int max_blocks = blocks_.num_groups();
   for (const auto &s : out.seqs) max_blocks = std::max(max_blocks, static_cast<int>(s->block_table.size()));
   out.max_blocks = max_blocks;
   out.block_tables.assign(out.seqs.size() * max_blocks, BlockManager::kDummyBlock);
@@ -381,7 +383,7 @@ std::vector<SequenceMetadata> build_seq_metadata(const SchedulerOutput &out) {
   for (size_t i = 0; i < out.seqs.size(); ++i) {
     const Sequence &s = *out.seqs[i];
     const int32_t *bt = out.block_tables.data() + i * out.max_blocks;
-    int nb = std::min(out.max_blocks, (out.seq_lens[i] + out.block_size - 1) / out.block_size);
+    int nb = std::min(out.max_blocks, (out.seq_lens[i] + out.block_size - 1) / out.block_size * out.num_kv_groups);
     md.push_back({s.request_id, s.seq_id, out.is_prompt, s.data.get_token_ids(),
                   std::vector<int32_t>(bt, bt + nb), out.query_start_loc[i + 1] - out.query_start_loc[i],
                   out.seq_lens[i], static_cast<bool>(out.samples[i])});

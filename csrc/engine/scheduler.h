@@ -25,7 +25,11 @@ struct SchedulerConfig {
   int max_model_len = 2048;
   int vocab_size = 32000;
   bool enable_prefix_caching = true;
-  int sliding_window = 0;  // every layer's sliding window: blocks that leave it are freed (0: none)
+  int sliding_window = 0;  // the sliding groups' window: blocks that leave it are freed (0: none)
+  // KV groups (block_manager.h): a sequence holds a block per group for each block_size
+  // positions; groups below num_full_groups keep them all, the others only the window's.
+  int num_kv_groups = 1;
+  int num_full_kv_groups = 0;
   // Image tokens the vision encoder may make in one step (vLLM's max_num_encoder_input_tokens;
   // 0: no limit): a prefill chunk ends before an image that does not fit (fit_encoder_budget).
   int max_num_encoder_input_tokens = 0;
@@ -49,12 +53,15 @@ struct SchedulerOutput {
   std::vector<int64_t> input_ids;        // [T]; -1 where the token is still in flight
   std::vector<int32_t> input_from_prev;  // [T]; previous step's sample row for in-flight tokens, else -1
   std::vector<int64_t> positions;        // [T]
-  std::vector<int64_t> slot_mapping;     // [T]
+  std::vector<int64_t> slot_mapping;     // [T, num_kv_groups] row-major
   std::vector<int32_t> query_start_loc;  // [S + 1]
   std::vector<int32_t> seq_lens;         // [S] context length after this step
-  std::vector<int32_t> block_tables;     // [S, max_blocks] row-major, padded with block 0
+  // [S, max_blocks] row-major, padded with block 0; with KV groups entry i * G + g of a row
+  // is group g's block i (max_blocks a multiple of G)
+  std::vector<int32_t> block_tables;
   int max_blocks = 0;
   int block_size = 0;
+  int num_kv_groups = 1;
   std::vector<int64_t> sample_indices;   // [N] token rows whose logits are sampled
   bool has_inflight_inputs = false;
 

@@ -20,6 +20,12 @@ const SchedulerConfig &checked(const SchedulerConfig &c) {
     throw std::invalid_argument(
         "SchedulerConfig: block_size, max_num_seqs, max_num_batched_tokens and vocab_size must be "
         "positive, num_blocks >= 2 (block 0 is reserved), max_model_len >= 2 and sliding_window >= 0");
+  if (c.num_kv_groups < 1 || c.num_kv_groups > BlockManager::kMaxGroups || c.num_full_kv_groups < 0 ||
+      c.num_full_kv_groups > c.num_kv_groups || c.num_blocks - 1 < c.num_kv_groups)
+    throw std::invalid_argument("SchedulerConfig: num_kv_groups must be in [1, " +
+                                std::to_string(BlockManager::kMaxGroups) +
+                                "], num_full_kv_groups in [0, num_kv_groups], and num_blocks - 1 >= num_kv_groups "
+                                "(one block of each group)");
   if (static_cast<int64_t>(c.num_blocks) * c.block_size > kMaxCachePositions)
     throw std::invalid_argument("SchedulerConfig: num_blocks * block_size = " +
                                 std::to_string(static_cast<int64_t>(c.num_blocks) * c.block_size) +

@@ -48,10 +48,12 @@ class ImageRequests:
         prompts = ImagePromptProcessor(processor, model.image_token_id, family)
         return cls(ImageWorker(prompts, limits), EncoderCache(cache_tokens))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> MultiModalPrompt:
         """A conversation with image_url parts as one prompt: the processor's chat template's
-        text (placeholders where the images were) and the images' URLs, fetched later."""
-        return render_chat_prompt(self.worker.processor.processor, messages, add_generation_prompt)
+        (or `chat_template`'s) text, placeholders where the images were, and the images' URLs,
+        fetched later."""
+        return render_chat_prompt(self.worker.processor.processor, messages, add_generation_prompt, chat_template)
 
     def submit(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt

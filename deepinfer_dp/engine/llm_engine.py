@@ -86,7 +86,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size + (PSEUDO_ID_SPAN if self.images else 0),
-            enable_prefix_caching=config.enable_prefix_caching, sliding_window=self.worker.runner.free_window,
+            enable_prefix_caching=config.enable_prefix_caching, **self.worker.runner.kv_groups.scheduler_args(),
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens))
         self.requests: dict[str, RequestState] = {}
         self.speculator = None if spec is None else self._build_speculator(spec, loaded)

@@ -27,6 +27,7 @@ from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
 from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.sampling_params import InvalidRequest, SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
+from deepinfer_dp.utils.chat_template import load_chat_template
 
 
 class LLM:
@@ -104,18 +105,25 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list:
-        """Applies the model's chat template to one conversation or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *, chat_template: str | None = None) -> list:
+        """Applies the model's chat template to one conversation or a list of them; `chat_template`
+        (the Jinja template, or a file holding it) replaces the model's, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = load_chat_template(chat_template)
         if any(has_image_parts(conv) for conv in conversations):  # the model's processor renders them
             images = self._image_requests()
             prompts = []
             for conv in conversations:
-                mm = images.chat_prompt(conv, add_generation_prompt)
+                mm = images.chat_prompt(conv, add_generation_prompt, template)
                 prompts.append({"prompt": mm.prompt, "multi_modal_data": {"image": mm.images}})
             return self.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
         tok = self.get_tokenizer()
-        ids = [_as_ids(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True))
+        if template is None and tok.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template (a base model, or a GGUF file without "
+                             "tokenizer.chat_template): pass chat_template=... (the Jinja template or its file), "
+                             "or use generate()")
+        ids = [_as_ids(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                               chat_template=template))
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 

@@ -18,7 +18,7 @@ last `window` positions only, as transformers' sliding-window mask does; every p
 may hold anything (a freed block's table entry is the dummy block 0).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -54,8 +54,24 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_placeholder: bool = False  # the placeholder step's dummy token (its outputs are thrown away)
+    # KV groups (layers/kv_groups.py): slot_mapping is [T * G] and each block-table row
+    # interleaves the groups' blocks; a layer reads its own group's through for_group.
+    num_kv_groups: int = 1
     # Per-step tensors derived on first use by layer 0 and reused by the other layers.
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """This step as the layers of KV group `group` see it: their own slots and block
+        tables (made once a step, shared by the group's layers)."""
+        groups = self.num_kv_groups
+        if groups == 1:
+            return self
+        key = ("kv_group", group)
+        if key not in self.derived:
+            tables = self.block_tables.view(self.block_tables.shape[0], -1, groups)[:, :, group].contiguous()
+            slots = self.slot_mapping.view(-1, groups)[:, group].contiguous()
+            self.derived[key] = replace(self, slot_mapping=slots, block_tables=tables, num_kv_groups=1, derived={})
+        return self.derived[key]
 
 
 class ForwardContext:
@@ -75,6 +91,7 @@ class Attention(nn.Module):
                  context: ForwardContext, window: int = 0):
         super().__init__()
         self.window = window  # sliding window (0: the whole context)
+        self.kv_group = 0  # its KV group: the block table it reads (set with the cache)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -88,6 +105,7 @@ class Attention(nn.Module):
         md = self.context.attn_metadata
         if md is None or self.k_cache is None:
             raise RuntimeError("attention needs bind_kv_cache() and attention metadata first")
+        md = md.for_group(self.kv_group)
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if md.is_prefill:
             out = self._prefill(q, k, v, md)
@@ -117,12 +135,10 @@ class Attention(nn.Module):
         return out
 
 
-def freeable_window(model: nn.Module) -> int:
-    """The window past which a sequence's blocks may be freed: the widest sliding window when
-    every attention layer of `model` has one, else 0 (a layer that sees the whole context, or
-    a model whose attention is not this module's, keeps every block)."""
-    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
-    return max(windows) if windows and all(windows) else 0
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """`model`'s attention modules in layer order (none for a model whose attention is not
+    this module's: its blocks are all kept)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -46,21 +46,23 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
     return 2 * num_layers(config) * per_layer
 
 
-def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]] | list[torch.Tensor]:
-    """Per layer a (K, V) cache pair; for MLA models (DeepSeek) one latent cache tensor."""
+def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                      layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]] | list[torch.Tensor]:
+    """Per layer a (K, V) cache pair; for MLA models (DeepSeek) one latent cache tensor.
+    `layers`: how many pairs (KV groups share them), default one per layer."""
     if is_mla(config):
         return allocate_mla_cache(config, num_blocks, block_size, dtype, device)
+    layers = num_layers(config) if layers is None else layers
     shape = kv_cache_shape(config, num_blocks, block_size)
     if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed
         # pages as blocks are first written, so the cache is resident only as far as it has
         # been used; torch.zeros would write every page now. (bf16: zeroed uint16, viewed.)
         np_dtype = np.float32 if dtype == torch.float32 else np.uint16
-        whole = torch.from_numpy(np.zeros((num_layers(config), 2, *shape), dtype=np_dtype)).view(dtype)
+        whole = torch.from_numpy(np.zeros((layers, 2, *shape), dtype=np_dtype)).view(dtype)
         return [(layer[0], layer[1]) for layer in whole]
     return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers(config))]
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
 
 
 def max_context_len(config) -> int:

@@ -83,7 +83,8 @@ class LlamaCpuDecode:
         # Prefill chunks of a few tokens a sequence (speculative verification, prefix-cache
         # hits) take the same attention kernel in the module path; longer ones do not.
         few = not md.is_prefill or md.max_query_len <= attention.KERNEL_MAX_QUERY_LEN
-        return (ENABLED and attention.CPU_KERNEL and few and not md.is_placeholder
+        # One block table for every layer: KV groups (a hybrid model's) go through the modules.
+        return (ENABLED and attention.CPU_KERNEL and few and not md.is_placeholder and md.num_kv_groups == 1
                 and input_ids.device.type == "cpu" and attn.k_cache is not None
                 and attn.k_cache.dtype in (torch.float32, torch.bfloat16) and 0 < input_ids.numel() <= self.max_rows)
 

@@ -46,9 +46,12 @@ def has_image_parts(messages: list[dict]) -> bool:
                for part in message["content"])
 
 
-def render_chat_prompt(processor, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
-    """A conversation with image_url parts as one prompt: the processor's chat template's text
-    (placeholders where the images were) and the images' URLs, fetched later, with their fields."""
+def render_chat_prompt(processor, messages: list[dict], add_generation_prompt: bool = True,
+                       chat_template: str | None = None) -> MultiModalPrompt:
+    """A conversation with image_url parts as one prompt: the processor's chat template's (or
+    `chat_template`'s) text, placeholders where the images were, and the images' URLs, fetched
+    later, with their fields."""
     conv, urls, fields = split_chat_images(messages)
-    text = processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         chat_template=chat_template)
     return MultiModalPrompt(text, urls, fields)

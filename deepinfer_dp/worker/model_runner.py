@@ -16,10 +16,11 @@ import torch
 
 from deepinfer_dp import _C
 from deepinfer_dp.config import EngineConfig
-from deepinfer_dp.layers.attention import AttentionMetadata, freeable_window
+from deepinfer_dp.layers.attention import AttentionMetadata, attention_layers
 from deepinfer_dp.layers.cpu_threads import narrow_step
+from deepinfer_dp.layers.kv_groups import KvGroups, plan_kv_groups
 from deepinfer_dp.layers.linear import replace_linears
-from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block
+from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block, num_layers
 from deepinfer_dp.multimodal.step_inputs import MultiModalStep
 from deepinfer_dp.spec_decode.proposer import TargetStep
 from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
@@ -78,17 +79,29 @@ def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
     both caches, as vLLM's KV memory does, so the target gets fewer blocks."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    groups = kv_groups(config, loaded)
+    per_block = kv_block_bytes(config, loaded, dtype)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size) * groups.num_groups + 1
     budget = int(config.kv_cache_memory_gb * 2**30) - config.max_num_seqs * draft_bytes_per_block
     return max(2, min(budget // (per_block + draft_bytes_per_block), useful))
 
 
-def kv_free_window(config: EngineConfig, loaded: LoadedModel) -> int:
-    """The scheduler's sliding_window: blocks wholly before it are freed as a sequence grows,
-    when every layer of the model slides (freeable_window). 0 under speculative decoding: a
-    proposer with its own cache (a draft model, MTP) reads the target's whole block table."""
-    return 0 if config.speculative_config is not None else freeable_window(loaded.model)
+def kv_groups(config: EngineConfig, loaded: LoadedModel) -> KvGroups:
+    """How the model's layers share the KV cache (layers/kv_groups.py): the scheduler frees
+    the sliding groups' blocks as they leave the window. One group that keeps every block
+    under speculative decoding: a proposer with its own cache (a draft model, MTP) reads the
+    target's whole block table."""
+    windows = [a.window for a in attention_layers(loaded.model)]
+    if config.speculative_config is not None:
+        windows = [0] * len(windows)
+    return plan_kv_groups(windows, hybrid=not config.disable_hybrid_kv_cache_manager)
+
+
+def kv_block_bytes(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+    """Bytes of one scheduler block: every layer's, or with KV groups one group's layers'."""
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
+    groups = kv_groups(config, loaded)
+    return per_block // num_layers(loaded.hf_config) * groups.group_size if groups.grouped else per_block
 
 
 def kv_cache_bytes(config: EngineConfig, per_block: int, num_blocks: int, draft_bytes_per_block: int = 0) -> int:
@@ -101,11 +114,12 @@ def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
     """Refuses at start-up (as vLLM does) a KV cache that cannot hold one sequence of
     max_model_len tokens: a request allowed to grow that long could never be served."""
     usable = num_blocks - 1  # block 0 is the placeholder step's
-    holds = usable * config.block_size
+    groups = kv_groups(config, loaded).num_groups  # a sequence holds a block of each group
+    holds = usable // groups * config.block_size
     if holds >= max_model_len:
         return
-    need = -(-max_model_len // config.block_size) + 1
-    per_block = kv_cache_bytes_per_block(loaded.hf_config, config.block_size, dtype)
+    need = -(-max_model_len // config.block_size) * groups + 1
+    per_block = kv_block_bytes(config, loaded, dtype)
     gb = math.ceil(kv_cache_bytes(config, per_block, need, draft_bytes_per_block) / 2**30 * 1000) / 1000
     by_memory = f"--kv-cache-memory-gb {gb:g} (kv_cache_memory_gb)"
     by_blocks = f"--num-kv-blocks {need} (num_kv_blocks)"
@@ -113,9 +127,11 @@ def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
         source, more = f"num_kv_blocks={config.num_kv_blocks}", f"{by_blocks}, or drop it and set {by_memory}"
     else:
         source, more = f"kv_cache_memory_gb={config.kv_cache_memory_gb}", f"{by_memory} or {by_blocks}"
+    blocks = f"{usable} blocks of {config.block_size} from {source}, block 0 reserved" + (
+        f"; a sequence holds a block of each of the model's {groups} KV groups" if groups > 1 else "")
     raise ValueError(
-        f"the KV cache holds {holds} tokens ({usable} blocks of {config.block_size} from {source}, block 0 "
-        f"reserved) but max_model_len is {max_model_len}, so one sequence of max_model_len tokens cannot fit. "
+        f"the KV cache holds {holds} tokens ({blocks}) but max_model_len is {max_model_len}, "
+        f"so one sequence of max_model_len tokens cannot fit. "
         f"Use a smaller --max-model-len (max_model_len, at most {holds}), or give the KV cache more memory: {more}")
 
 
@@ -134,14 +150,24 @@ class ModelRunner:
                 and config.cpu_linear_kernel:
             replace_linears(self.model)
         cache_dtype = kv_cache_dtype_for(config, loaded.hf_config)
-        self.kv_caches = allocate_kv_cache(loaded.hf_config, num_blocks, config.block_size, cache_dtype, self.device)
+        self.kv_groups = kv_groups(config, loaded)  # the scheduler's groups and window
+        self.kv_caches = self._allocate_kv_cache(loaded, num_blocks, config.block_size, cache_dtype)
         self.model.bind_kv_cache(self.kv_caches)
-        self.free_window = kv_free_window(config, loaded)  # the scheduler's sliding_window
+        for attn, group in zip(attention_layers(self.model), self.kv_groups.layer_group, strict=True):
+            attn.kv_group = group
         # Tokens of the placeholder step: 1, or 1 + K under speculative decoding (draft
         # padding), so that its shapes match a speculative step's.
         spec = config.speculative_config
         self.placeholder_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
+
+    def _allocate_kv_cache(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype) -> list:
+        """Per layer its cache; with KV groups, layer j of every group shares tensor j."""
+        groups = self.kv_groups
+        if not groups.grouped:
+            return allocate_kv_cache(loaded.hf_config, num_blocks, block_size, dtype, self.device)
+        slots = allocate_kv_cache(loaded.hf_config, num_blocks, block_size, dtype, self.device, groups.group_size)
+        return [slots[j] for j in groups.layer_slot]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # Zero-copy over the scheduler's buffer on CPU; one host-to-device copy on CUDA.
@@ -165,6 +191,7 @@ class ModelRunner:
             seq_lens_host=seq_lens.tolist(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            num_kv_groups=out.num_kv_groups,
         )
         return ModelInput(self._tensor(out.input_ids), self._tensor(out.positions), md,
                           self._tensor(out.sample_indices), inflight_src)
@@ -173,12 +200,12 @@ class ModelRunner:
         """Dummy tokens at positions 0.. in the reserved block 0 (one, or 1 + K with draft
         padding): the same forward pass as a real step, so collectives inside the model
         match across DP ranks."""
-        n = self.placeholder_tokens
+        n, groups = self.placeholder_tokens, self.kv_groups.num_groups
         pos = torch.arange(n, dtype=torch.int64, device=self.device)
         md = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=pos.clone(),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            slot_mapping=pos.repeat_interleave(groups),
+            block_tables=torch.zeros((1, groups), dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.full((1,), n, dtype=torch.int32, device=self.device),
             query_lens_host=[n],
@@ -186,6 +213,7 @@ class ModelRunner:
             max_query_len=n,
             max_seq_len=n,
             is_placeholder=True,
+            num_kv_groups=groups,
         )
         return ModelInput(torch.zeros(n, dtype=torch.int64, device=self.device), pos, md, None)
 

@@ -15,7 +15,9 @@ and checks:
 - the context each sequence reads (every slot through its block table) holds exactly its own
   history: the shadow cache keys each slot by the prefix that was written there; with a
   sliding window (`sliding_window` in the config) that is each step's window, and the blocks
-  before it, freed, show as a leading run of block 0 in the table;
+  before it, freed, show as a leading run of block 0 in the table; with KV groups
+  (`num_kv_groups`, the table interleaving one block per group) each group's blocks are
+  checked so, the full groups (`num_full_kv_groups`) reading and keeping everything;
 - every request ends with exactly one finished output, last, with the reason the stop rules
   give (stop / length / abort) and the right token count; and after a drain every block is
   free again;
@@ -55,7 +57,9 @@ class SchedulerHarness:
         self.sched = _C.Scheduler(_C.SchedulerConfig(**cfg))
         self.bs = cfg["block_size"]
         self.num_blocks = cfg["num_blocks"]
-        self.max_seq_len = min(cfg["max_model_len"], (self.num_blocks - 1) * self.bs + 1)
+        self.groups = cfg.get("num_kv_groups", 1)
+        self.full_groups = cfg.get("num_full_kv_groups", 0)
+        self.max_seq_len = min(cfg["max_model_len"], (self.num_blocks - 1) // self.groups * self.bs + 1)
         assert self.sched.max_seq_len == self.max_seq_len
         self.vocab = cfg["vocab_size"]
         self.window = cfg.get("sliding_window", 0)
@@ -176,14 +180,19 @@ class SchedulerHarness:
             assert 1 <= q1 - q0 <= length <= len(hist), f"{rid}: query [{q0}, {q1}) context {length}"
             table = req.seq.block_table
             row = out.block_tables[i].tolist()
-            assert row[:len(table)] == table and not any(row[len(table):]) and len(table) * self.bs >= length
+            assert row[:len(table)] == table and not any(row[len(table):])
+            assert len(table) % self.groups == 0 and len(table) // self.groups * self.bs >= length
             keys = _prefix_keys(hist[:length])
-            for t, p in zip(range(q0, q1), range(length - (q1 - q0), length), strict=True):
-                self._write(out, t, p, table, hist, keys[p])
-            first_query = length - (q1 - q0)  # it reads from its window's first position on
-            for p in range(max(0, first_query + 1 - self.window) if self.window else 0, length):
-                slot = table[p // self.bs] * self.bs + p % self.bs
-                assert self.kv.get(slot) == keys[p], f"{rid} reads a wrong KV at position {p} (slot {slot})"
+            first_query = length - (q1 - q0)
+            for g in range(self.groups):
+                blocks = table[g::self.groups]
+                for t, p in zip(range(q0, q1), range(first_query, length), strict=True):
+                    self._write(out, t, p, blocks, hist, keys[p], g)
+                # a sliding group reads from its window's first position on, a full group all
+                window = self.window if g >= self.full_groups else 0
+                for p in range(max(0, first_query + 1 - window) if window else 0, length):
+                    slot = blocks[p // self.bs] * self.bs + p % self.bs
+                    assert self.kv.get(slot) == keys[p], f"{rid} group {g} reads a wrong KV at {p} (slot {slot})"
             if length == len(hist):  # all known tokens computed: it samples
                 r = len(sampled)
                 assert sample_rids[r] == rid and out.sample_indices[r] == q1 - 1
@@ -193,10 +202,10 @@ class SchedulerHarness:
         self.last_sampled = np.array(sampled, dtype=np.int64)
         return self.last_sampled
 
-    def _write(self, out, t: int, p: int, table: list[int], hist: list[int], key: int) -> None:
+    def _write(self, out, t: int, p: int, table: list[int], hist: list[int], key: int, group: int) -> None:
         block = table[p // self.bs]
         slot = block * self.bs + p % self.bs
-        assert out.positions[t] == p and out.slot_mapping[t] == slot
+        assert out.positions[t] == p and out.slot_mapping[t * self.groups + group] == slot
         assert block != 0 and self.sched.block_ref_count(block) == 1, f"write into shared block {block}"
         if out.input_ids[t] >= 0:
             assert out.input_ids[t] == hist[p] and out.input_from_prev[t] == -1
@@ -261,8 +270,11 @@ class SchedulerHarness:
                 continue
             live += 1
             held = [b for b in table if b != 0]
-            freed = len(table) - len(held)  # only a sliding window frees, and only leading blocks
-            assert table[freed:] == held and (freed == 0 or self.window > 0)
+            for g in range(self.groups):  # only a sliding group's window frees, and only leading blocks
+                blocks = table[g::self.groups]
+                freed = sum(1 for b in blocks if b == 0)
+                assert 0 not in blocks[freed:]
+                assert freed == 0 or (self.window > 0 and g >= self.full_groups)
             assert not r.seq.is_finished and len(set(held)) == len(held)
             assert r.seq.data.get_token_ids() == r.prompt + r.tokens and r.seq.num_pending == len(r.inflight)
             holders.update(held)

@@ -3,8 +3,9 @@
 Each episode draws a small configuration (1-11 usable blocks of 4, 8 or 16 tokens, prefix
 caching on or off, a chunked-prefill budget of 1-48 tokens, 1-4 sequences, a context of
 2-96, no sliding window or one of 3-20 positions whose blocks are freed as sequences leave
-them), then a random sequence of add / step (ZOS on or off, per step) / abort /
-finish_request / release / flush / clone; the harness (scheduler_harness.py) checks every
+them, one KV group or two or three of which one or two keep every block), then a random
+sequence of add / step (ZOS on or off, per step) / abort / finish_request / release / flush /
+clone; the harness (scheduler_harness.py) checks every
 invariant after each operation, and at the end drains the scheduler and checks that every
 request ended once, with the right reason, and that every block came back.
 
@@ -35,12 +36,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([4, 8, 16]), num_blocks=st.integers(2, 12),
                 max_model_len=st.integers(2, 96), budget=st.integers(1, 48), max_num_seqs=st.integers(1, 4),
                 prefix_caching=st.booleans(), vocab=st.integers(6, 24), salt=st.integers(0, 1000),
-                zos=st.booleans(), window=st.sampled_from([0, 0, 3, 8, 20]))
+                zos=st.booleans(), window=st.sampled_from([0, 0, 3, 8, 20]),
+                groups=st.sampled_from([(1, 0), (1, 0), (2, 1), (3, 1), (3, 2)]))
     def setup(self, block_size, num_blocks, max_model_len, budget, max_num_seqs, prefix_caching, vocab, salt,
-              zos, window):
+              zos, window, groups):
         cfg = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
-                   num_blocks=num_blocks, max_model_len=max_model_len, vocab_size=vocab,
-                   enable_prefix_caching=prefix_caching, sliding_window=window)
+                   num_blocks=max(num_blocks, groups[0] + 1), max_model_len=max_model_len, vocab_size=vocab,
+                   enable_prefix_caching=prefix_caching, sliding_window=window, num_kv_groups=groups[0],
+                   num_full_kv_groups=groups[1])
         self.h = SchedulerHarness(cfg, salt)
         self.zos = zos  # the drain's mode; each step draws its own
         # Prompts are cut from two shared streams, so whole blocks repeat across requests.

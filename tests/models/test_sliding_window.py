@@ -63,11 +63,12 @@ def window_prompts(count: int) -> list[list[int]]:
 CASES = [(4, 24), pytest.param(16, 40, marks=pytest.mark.slow)]
 
 
-def check_greedy(path, count: int, max_tokens: int) -> LLM:
+def check_greedy(path, count: int, max_tokens: int, num_kv_blocks: int = 512, **options) -> LLM:
     """Greedy tokens of window_prompts(count) equal transformers', with chunked prefill (32
     tokens a step) and prefix-cache hits; returns the LLM for further checks."""
     prompts = window_prompts(count)
-    llm = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4, num_kv_blocks=512)
+    llm = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4,
+              num_kv_blocks=num_kv_blocks, **options)
     params = SamplingParams(max_tokens=max_tokens, **GREEDY)
     ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     assert llm.llm_engine.scheduler.stats["prefix_hit_tokens"] > 0
@@ -125,29 +126,48 @@ def test_windowed_kernel_equals_masked_torch(dtype):
                            md.seq_lens.numpy(), torch.empty_like(q).numpy(), 0.125, 1, None, -1)
 
 
-def test_blocks_out_of_the_window_are_freed(sliding_model):
-    """Mistral (every layer slides): a sequence keeps only the blocks its window reaches, the
-    rest go back to the pool as it grows, and its tokens stay transformers'. Qwen2 here has a
-    layer that sees everything: it keeps every block."""
-    kind, path = sliding_model
-    engine = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4,
-                 num_kv_blocks=512).llm_engine
+def held_blocks(seq, groups: int) -> list[int]:
+    """Blocks `seq` holds in each KV group (its table interleaves them; 0: freed or never held)."""
+    table = list(seq.block_table)
+    return [sum(1 for b in table[g::groups] if b != 0) for g in range(groups)]
+
+
+def run_one_and_watch(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    """Runs one request alone; returns its tokens and the most blocks it held in each KV group
+    at once, checking after every step that the pool's free count is what it does not hold."""
     sched = engine.scheduler
-    assert sched.config.sliding_window == (WINDOW if kind == "mistral" else 0)
-    prompt = window_prompts(4)[1]  # 90 tokens: prefilled in chunks of 32
-    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=30, **GREEDY))
-    most_held, tokens = 0, []
+    groups = sched.config.num_kv_groups
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=max_tokens, **GREEDY))
+    most_held, tokens = [0] * groups, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens += list(out.token_ids) if out.request_id == rid else []
         seq = sched.get_sequence(rid)
         if seq is not None and seq.block_table:
-            held = [b for b in seq.block_table if b != 0]
-            assert sched.num_free_blocks == sched.num_usable_blocks - len(held)
-            most_held = max(most_held, len(held))
+            held = held_blocks(seq, groups)
+            assert sched.num_free_blocks == sched.num_usable_blocks - sum(held)
+            most_held = [max(m, h) for m, h in zip(most_held, held, strict=True)]
+    return tokens, most_held
+
+
+def test_blocks_out_of_the_window_are_freed(sliding_model):
+    """A sequence keeps only the blocks its window reaches, the rest go back to the pool as it
+    grows, and its tokens stay transformers'. Mistral: every layer slides, one group. Qwen2
+    here has one layer that sees everything: three KV groups of one layer, the full one keeps
+    every block, the two sliding ones only their window's."""
+    kind, path = sliding_model
+    engine = LLM(str(path), decode_sequence=False, max_num_batched_tokens=32, block_size=4,
+                 num_kv_blocks=512).llm_engine
+    config = engine.scheduler.config
+    assert config.sliding_window == WINDOW
+    assert (config.num_kv_groups, config.num_full_kv_groups) == ((1, 0) if kind == "mistral" else (3, 1))
+    prompt = window_prompts(4)[1]  # 90 tokens: prefilled in chunks of 32
+    tokens, most_held = run_one_and_watch(engine, prompt, 30)
     total_blocks = -(-(len(prompt) + 29) // 4)  # the last sampled token is never stored
-    if kind == "mistral":  # the window's blocks plus one 32-token chunk's, never the whole sequence
-        assert most_held <= WINDOW // 4 + 32 // 4 + 1 < total_blocks
-    else:
-        assert most_held == total_blocks
+    window_bound = WINDOW // 4 + 32 // 4 + 1  # the window's blocks plus one 32-token chunk's
+    for g, held in enumerate(most_held):
+        if g < config.num_full_kv_groups:
+            assert held == total_blocks
+        else:
+            assert held <= window_bound < total_blocks
     assert tokens == hf_greedy(path, [prompt], 30)[0]

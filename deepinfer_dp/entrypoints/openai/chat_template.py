@@ -22,8 +22,10 @@ class TemplateError(ValueError):
 
 
 class ChatTokenizer:
-    def __init__(self, tokenizer: Any, special_tokens_as_text: bool = True) -> None:
+    def __init__(self, tokenizer: Any, special_tokens_as_text: bool = True, chat_template: str | None = None) -> None:
+        """`chat_template`: the server's own (--chat-template), used instead of the model's."""
         self.tokenizer = tokenizer
+        self.template = chat_template if chat_template is not None else tokenizer.chat_template
         self.special = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
         self.as_text = special_tokens_as_text
         self._plain: Tokenizer | None = None  # a copy that never parses special tokens
@@ -33,8 +35,9 @@ class ChatTokenizer:
 
     def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
         """`tools` (OpenAI's function definitions) go to the template, which may show them."""
-        if self.tokenizer.chat_template is None:
-            raise TemplateError("this model has no chat template; use /v1/completions")
+        if self.template is None:
+            raise TemplateError("this model has no chat template: start the server with --chat-template "
+                                "(a Jinja file or the template itself), or use /v1/completions")
         if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
             return _as_ids(self._render(messages, tokenize=True, tools=tools))
         if self._plain is None:
@@ -45,9 +48,9 @@ class ChatTokenizer:
     def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None = None):
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
-                                                      tools=tools)
+                                                      tools=tools, chat_template=self.template)
         except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
-            raise TemplateError(f"the model's chat template rejected the messages: {e}") from e
+            raise TemplateError(f"the chat template rejected the messages: {e}") from e
 
     def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None) -> list[int]:
         # Private-use characters: no template rewrites them, and no content is likely to hold them.

@@ -132,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `deepinfer-dp serve` (after add_serve_args)."""
     from deepinfer_dp.config_file import ConfigError, load_config
     from deepinfer_dp.entrypoints.openai.api_key import resolve_api_key
+    from deepinfer_dp.utils.chat_template import load_chat_template
 
     try:
         deployment = load_config(args, model=args.model_path)
@@ -139,9 +140,11 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit(str(e)) from None
     try:  # before anything starts, so that no child process inherits the key's variable
         key = resolve_api_key(deployment.server.api_key, deployment.server.api_key_file)
+        template = load_chat_template(deployment.server.chat_template)  # once: API servers get its text
     except ValueError as e:
         raise SystemExit(f"deepinfer-dp serve: {e}") from None
-    deployment.server = deployment.server.model_copy(update={"api_key": key, "api_key_file": None})
+    deployment.server = deployment.server.model_copy(update={"api_key": key, "api_key_file": None,
+                                                             "chat_template": template})
     engine = deployment.engine_options()
     names = served_names(deployment.server.served_model_name, deployment.model)
     if deployment.dp_size > 1 and deployment.backend != "ray":

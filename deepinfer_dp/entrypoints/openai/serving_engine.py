@@ -97,7 +97,8 @@ class ServingContext:
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.limits)
-        self.chat_tokenizer = ChatTokenizer(self.client.tokenizer, self.limits.chat_special_tokens_as_text)
+        self.chat_tokenizer = ChatTokenizer(self.client.tokenizer, self.limits.chat_special_tokens_as_text,
+                                            self.limits.chat_template)
         # Once, at start: scanning the vocabulary holds the GIL for a moment (~1 s at 49k tokens).
         tok = self.client.tokenizer
         longest = max(map(len, tok.batch_decode([[i] for i in range(len(tok))])), default=1)

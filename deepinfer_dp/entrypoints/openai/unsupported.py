@@ -85,7 +85,7 @@ VLLM_CHAT: dict[str, tuple[Noop, str]] = {
     "continue_final_message": (_false, "continuing the final message is not implemented"),
     "add_special_tokens": (_false, "only false (the default: the chat template adds them) is implemented"),
     "documents": (_empty, "documents for the chat template are not implemented"),
-    "chat_template": (_none, "only the model's own chat template is served"),
+    "chat_template": (_none, "a request's own chat template is not served (the server's is --chat-template)"),
     "chat_template_kwargs": (_empty, "chat template arguments are not implemented"),
     "media_io_kwargs": (_empty, "media input is not implemented"),
     "mm_processor_kwargs": (_empty, "multimodal input is not implemented"),
