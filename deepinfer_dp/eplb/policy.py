@@ -3,7 +3,8 @@ load (token-slots over the window), so that every rank computes about the same n
 token-slots. DeepSeek's EPLB idea in two greedy passes, written here from the idea:
 
 1. replicate: each redundant slot goes, one at a time, to the expert with the highest load
-   per replica (its tokens are split evenly among its replicas), at most one replica a rank;
+   per replica (its tokens are split evenly among its replicas), at most one replica a rank
+   while there are fewer slots per rank than experts;
 2. pack: the replicas, heaviest first, each to the rank with the lowest load so far that
    has a free slot and does not hold that expert yet (greedy bin packing, equal slot counts).
 
@@ -21,12 +22,14 @@ import numpy as np
 
 
 def replicate(load: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
-    """Replicas per logical expert (>= 1 each, summing to num_slots, at most num_ranks)."""
+    """Replicas per logical expert (>= 1 each, summing to num_slots; at most num_ranks while
+    the slots allow, so that no rank needs to hold an expert twice)."""
     replicas = np.ones(len(load), dtype=np.int64)
     for _ in range(num_slots - len(load)):
+        cap = num_ranks if (replicas < num_ranks).any() else num_slots
         best = -1
         for e in range(len(load)):  # the highest load per replica: load[e]/replicas[e], exactly
-            if replicas[e] < num_ranks and (best < 0 or load[e] * replicas[best] > load[best] * replicas[e]):
+            if replicas[e] < cap and (best < 0 or load[e] * replicas[best] > load[best] * replicas[e]):
                 best = e
         replicas[best] += 1
     return replicas

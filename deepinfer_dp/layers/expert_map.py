@@ -29,11 +29,16 @@ def check_layout(num_experts: int, redundant: int, ranks: int) -> int:
     if slots % ranks:
         raise ValueError(f"eplb_config.num_redundant_experts={redundant}: {num_experts} experts + {redundant} "
                          f"redundant = {slots} physical slots per MoE layer do not divide evenly over {ranks} "
-                         f"expert-parallel ranks (every rank holds the same number of slots)")
-    if slots // ranks > num_experts:
-        raise ValueError(f"eplb_config.num_redundant_experts={redundant}: {slots // ranks} slots per rank is "
-                         f"more than the model's {num_experts} experts (a rank would hold one twice)")
+                         f"expert-parallel ranks (every rank holds the same number of slots; "
+                         f"{fit_redundant(num_experts, redundant, ranks)} would)")
     return slots // ranks
+
+
+def fit_redundant(num_experts: int, redundant: int, ranks: int) -> int:
+    """The redundant slot count nearest `redundant` (the smaller on a tie) that divides evenly
+    over `ranks`: what a group re-formed at another size uses."""
+    fits = [r for r in range(redundant + ranks) if (num_experts + r) % ranks == 0]
+    return min(fits, key=lambda r: (abs(r - redundant), r))
 
 
 class ExpertMap:

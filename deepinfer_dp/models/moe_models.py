@@ -16,6 +16,7 @@ checkpoint if the group it joins has another size (a re-formed group after a ran
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,11 +28,13 @@ import torch
 from torch import nn
 
 from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.expert_map import fit_redundant
 from deepinfer_dp.layers.moe import FusedMoE, select_experts
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from deepinfer_dp.models.weights import iterate_weights
 
 # <prefix>.experts.<e>.<projection>.weight, in either family's names
+logger = logging.getLogger(__name__)
 _EXPERT_NAME = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PIECE = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # gate, up, down
 
@@ -150,8 +153,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         from deepinfer_dp.eplb.rebalancer import Rebalancer
 
         shard = (ep.rank, ep.size) if ep is not None else (0, 1)
-        if len(self.expert_shard) == 3:
-            shard = (*shard, self.expert_shard[2])
+        if len(self.expert_shard) == 3:  # a group of another size may need another redundant count
+            wanted = eplb.num_redundant_experts if eplb is not None else self.expert_shard[2]
+            shard = (*shard, fit_redundant(self.spec.num_experts, wanted, shard[1]))
+            if shard[2] != wanted:
+                logger.warning("expert load balancing over %d ranks: %d redundant expert slots instead of %d "
+                               "(the slots must divide evenly over the ranks)", shard[1], shard[2], wanted)
         moved = any(b.experts.expert_map is not None and not b.experts.expert_map.is_initial() for b in self.moe_blocks)
         if shard != self.expert_shard or moved:  # every rank of a new group starts from the initial placement
             self.reload_experts(shard)

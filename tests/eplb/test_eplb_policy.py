@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer_dp.eplb.policy import arrange, balancedness, rank_loads, rebalance, replicate
-from deepinfer_dp.layers.expert_map import ExpertMap, check_layout, initial_placement
+from deepinfer_dp.layers.expert_map import ExpertMap, check_layout, fit_redundant, initial_placement
 
 # 8 experts, 2 hot ones (0 and 2, which the initial placement puts on rank 0)
 SKEWED = np.array([4000, 200, 3000, 150, 100, 100, 50, 20], dtype=np.int64)
@@ -54,10 +54,17 @@ def test_the_policy_is_deterministic():
 
 def test_layouts_that_do_not_divide_are_named():
     assert check_layout(8, 2, 2) == 5
-    with pytest.raises(ValueError, match="8 experts \\+ 1 redundant = 9 physical slots .* over 2 expert-parallel"):
+    with pytest.raises(ValueError, match="8 experts \\+ 1 redundant = 9 physical slots .* over 2 expert-parallel "
+                                         "ranks .*; 0 would"):
         check_layout(8, 1, 2)
-    with pytest.raises(ValueError, match="more than the model's 4 experts"):
-        check_layout(4, 6, 2)
+    # a group re-formed at another size takes the nearest count that divides
+    assert [fit_redundant(8, 2, n) for n in (1, 2, 3, 4, 5)] == [2, 2, 1, 0, 2]
+
+
+def test_more_slots_than_experts_on_one_rank_replicate_within_it():
+    load = np.array([10, 1, 1, 1])
+    placement = rebalance(load, initial_placement(4, 6), 1)
+    assert sorted(placement.tolist()) == [0, 0, 0, 1, 2, 3]
 
 
 def test_the_map_splits_an_expert_over_its_replicas_and_counts():
