@@ -24,11 +24,15 @@ from torch import nn
 
 from deepinfer_dp.distributed.moe_dispatch import EPGroup
 from deepinfer_dp.eplb.config import EPLBConfig
-from deepinfer_dp.eplb.policy import balancedness, rebalance
+from deepinfer_dp.eplb.policy import balancedness, rank_loads, rebalance
 from deepinfer_dp.layers.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 LOG_ENTRIES = 256  # placement switches and balancedness readings kept for rank_stats()
+# A layer moves only if the new placement's expected balancedness over the window beats the
+# current one's by this much: re-packing a nearly balanced layer from scratch would move
+# experts back and forth on noise, each move a whole expert's weights.
+MIN_GAIN = 0.02
 
 
 class Rebalancer:
@@ -78,7 +82,8 @@ class Rebalancer:
                         [round(b, 3) for b in self.balancedness])
         for i, (m, load) in enumerate(zip(self.maps, loads, strict=True)):
             placement = rebalance(load, m.phys_to_log, self.ep.size)
-            if not np.array_equal(placement, m.phys_to_log):
+            now = balancedness(rank_loads(load, m.phys_to_log, self.ep.size))
+            if balancedness(rank_loads(load, placement, self.ep.size)) >= now + MIN_GAIN:
                 self.moves.append((i, placement))
 
     def _move_next_layer(self) -> None:
