@@ -130,7 +130,6 @@ class FusedMoE(nn.Module):
         device = self.w13.device
         self._set_shard(shard)
         self.place_on(device)
-        self.expert_tokens = np.zeros(self.num_slots, dtype=np.int64)
         like = self.w13
         self.w13 = nn.Parameter(like.new_empty(self.num_local_experts, *like.shape[1:]), requires_grad=False)
         self.w2 = nn.Parameter(like.new_empty(self.num_local_experts, *self.w2.shape[1:]), requires_grad=False)

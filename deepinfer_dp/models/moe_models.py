@@ -33,8 +33,8 @@ from deepinfer_dp.layers.moe import FusedMoE, select_experts
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from deepinfer_dp.models.weights import iterate_weights
 
-# <prefix>.experts.<e>.<projection>.weight, in either family's names
 logger = logging.getLogger(__name__)
+# <prefix>.experts.<e>.<projection>.weight, in either family's names
 _EXPERT_NAME = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PIECE = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # gate, up, down
 
@@ -201,7 +201,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.expert_shard = shard
         for block in self.moe_blocks:
             block.experts.reshard(shard)
-        self._bind_expert_tokens()
+        if self.moe_blocks and self.expert_tokens.shape[1] != self.moe_blocks[0].experts.num_slots:
+            self._bind_expert_tokens()  # another slot count: the counters start again
         done: set[tuple[str, int, int]] = set()
         for name, tensor in iterate_weights(Path(self.source_dir), self._is_local_expert):
             name = name.replace(".block_sparse_moe.", ".mlp.")
