@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
+from deepinfer_dp.eplb.config import EPLBConfig, parse_eplb_config
 from deepinfer_dp.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -97,6 +98,12 @@ class EngineConfig:
                                                             "routed experts; MoE layers dispatch over the DP group")
     all2all_backend: Literal["all_to_all", "allgather_reducescatter"] = Field(
         "all_to_all", description="the expert-parallel dispatcher")
+    enable_eplb: bool = Field(False, description="expert-parallel load balancing: replicate and move hot experts "
+                                                 "between ranks while serving (needs enable_expert_parallel)")
+    eplb_config: Annotated[EPLBConfig, BeforeValidator(parse_eplb_config)] = Field(
+        default_factory=EPLBConfig, description='the balancer, vLLM\'s keys, e.g. {"window_size": 1000, '
+                                                '"step_interval": 3000, "num_redundant_experts": 2} (JSON on the '
+                                                'command line)')
 
     # Images (vision-language models; ignored by the others); vLLM's names where it has them.
     limit_mm_per_prompt: dict[str, int] = Field(
@@ -116,6 +123,15 @@ class EngineConfig:
     def _rank_in_group(self) -> EngineConfig:
         if self.dp_rank >= self.dp_size:
             raise ValueError(f"dp_rank: must be in [0, dp_size={self.dp_size}) (got {self.dp_rank})")
+        return self
+
+    @model_validator(mode="after")
+    def _eplb_needs_ep(self) -> EngineConfig:
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb: needs enable_expert_parallel (the balancer moves experts between "
+                             "expert-parallel ranks)")
+        if self.eplb_config.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("eplb_config: num_redundant_experts needs enable_eplb")
         return self
 
     @classmethod

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from deepinfer_dp.distributed.groups import DPGroups, all_gather_json
 from deepinfer_dp.distributed.lockstep import LockstepError
-from deepinfer_dp.layers.moe import FusedMoE, expert_range
+from deepinfer_dp.layers.moe import FusedMoE
 
 ALL2ALL_BACKENDS = ("all_to_all", "allgather_reducescatter")
 
@@ -86,10 +86,6 @@ class Dispatcher:
 
     def __init__(self, ep: EPGroup, num_experts: int) -> None:
         self.ep = ep
-        ranges = [expert_range(r, ep.size, num_experts) for r in range(ep.size)]
-        # the rank owning each expert
-        self.owner = torch.tensor([r for r, (lo, hi) in enumerate(ranges) for _ in range(lo, hi)],
-                                  dtype=torch.int64, device=ep.device)
         self.collective_s = 0.0  # wall time in this dispatcher's collectives, waiting included
         self.num_collectives = 0
         self.broken: MoECollectiveError | None = None
@@ -101,9 +97,10 @@ class Dispatcher:
                          counted: bool) -> torch.Tensor:
         raise NotImplementedError
 
-    def _collective(self, what: str, layer_index: int | None, fn):
+    def collective(self, what: str, layer_index: int | None, fn):
         """Runs one collective; turns a failure into MoECollectiveError (and every later call
-        on this broken group fails at once instead of waiting out the timeout again)."""
+        on this broken group fails at once instead of waiting out the timeout again). The
+        load balancer's collectives (eplb/rebalancer.py) go through here too."""
         if self.broken is not None:
             raise self.broken
         start = time.perf_counter()
@@ -132,19 +129,19 @@ class Dispatcher:
     # whether the token counts in the expert load (not the placeholder's dummy token)
     def _pack(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counted: bool) -> torch.Tensor:
         flag = torch.full((x.shape[0], 1), float(counted), dtype=torch.float32, device=x.device)
-        return self._to_wire(torch.cat([x.float(), ids.float(), weights.float(), flag], dim=1))
+        return self.to_wire(torch.cat([x.float(), ids.float(), weights.float(), flag], dim=1))
 
     def _unpack(self, rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
-        rows = self._from_wire(rows)
+        rows = self.from_wire(rows)
         h = rows[:, :hidden] if dtype == torch.float32 else rows[:, :hidden].to(dtype)
         ids = rows[:, hidden:hidden + top_k].to(torch.int32)
         weights = rows[:, hidden + top_k:hidden + 2 * top_k].contiguous()
         return h, ids, weights, rows[:, -1] > 0.5
 
-    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if self.ep.stage_on_host else t
 
-    def _from_wire(self, t: torch.Tensor) -> torch.Tensor:
+    def from_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.ep.device) if self.ep.stage_on_host else t
 
 
@@ -155,23 +152,23 @@ class AllToAllDispatcher(Dispatcher):
                          counted: bool) -> torch.Tensor:
         ep, index = self.ep, layer.layer_index
         need = torch.zeros(x.shape[0], ep.size, dtype=torch.bool, device=x.device)
-        need.scatter_(1, self.owner[ids.long()], True)  # token t has an expert on rank r
+        need.scatter_(1, layer.slot_owner(x.device)[ids.long()], True)  # token t has an expert on rank r
         dest, token = need.t().nonzero(as_tuple=True)  # grouped by destination rank, tokens in order
         send = torch.bincount(dest, minlength=ep.size).cpu()
         recv = torch.empty_like(send)
-        self._collective("split-size exchange", index,
+        self.collective("split-size exchange", index,
                          lambda: dist.all_to_all_single(recv, send, group=ep.cpu_group))
         send_sizes, recv_sizes = send.tolist(), recv.tolist()
         rows = self._pack(x[token], ids[token], weights[token], counted)
         got = rows.new_empty(sum(recv_sizes), rows.shape[1])
-        self._collective("all-to-all dispatch", index, lambda: dist.all_to_all_single(
+        self.collective("all-to-all dispatch", index, lambda: dist.all_to_all_single(
             got, rows, recv_sizes, send_sizes, group=ep.device_group))
         h, rids, rweights, rcounted = self._unpack(got, x.shape[1], ids.shape[1], x.dtype)
-        partial = self._to_wire(layer.compute(h, rids, rweights, rcounted))
+        partial = self.to_wire(layer.compute(h, rids, rweights, rcounted))
         back = partial.new_empty(rows.shape[0], x.shape[1])
-        self._collective("all-to-all combine", index, lambda: dist.all_to_all_single(
+        self.collective("all-to-all combine", index, lambda: dist.all_to_all_single(
             back, partial, send_sizes, recv_sizes, group=ep.device_group))
-        back = self._from_wire(back)
+        back = self.from_wire(back)
         out = torch.zeros_like(x)
         start = 0
         for size in send_sizes:  # rank by rank: a token's shares are summed in rank order
@@ -192,7 +189,7 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
         """Every rank's token count is the same for all layers of a step: gathered once."""
         mine = torch.tensor([num_tokens], dtype=torch.int64)
         counts = torch.empty(self.ep.size, dtype=torch.int64)
-        self._collective("token-count exchange", None,
+        self.collective("token-count exchange", None,
                          lambda: dist.all_gather_single(counts, mine, group=self.ep.cpu_group))
         self.max_tokens = int(counts.max())
 
@@ -205,10 +202,10 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
             pad[:, x.shape[1]:x.shape[1] + ids.shape[1]] = -1
             rows = torch.cat([rows, pad])
         everyone = rows.new_empty(ep.size * width, rows.shape[1])
-        self._collective("all-gather dispatch", index,
+        self.collective("all-gather dispatch", index,
                          lambda: dist.all_gather_single(everyone, rows, group=ep.device_group))
-        partial = self._to_wire(layer.compute(*self._unpack(everyone, x.shape[1], ids.shape[1], x.dtype)))
+        partial = self.to_wire(layer.compute(*self._unpack(everyone, x.shape[1], ids.shape[1], x.dtype)))
         mine = partial.new_empty(width, x.shape[1])
-        self._collective("reduce-scatter combine", index, lambda: dist.reduce_scatter_single(
+        self.collective("reduce-scatter combine", index, lambda: dist.reduce_scatter_single(
             mine, partial.contiguous(), op=dist.ReduceOp.SUM, group=ep.device_group))
-        return self._from_wire(mine[:x.shape[0]])
+        return self.from_wire(mine[:x.shape[0]])

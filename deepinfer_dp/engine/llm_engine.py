@@ -61,6 +61,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = config.torch_device()
         expert_shard = (config.dp_rank, config.dp_size) if config.enable_expert_parallel else (0, 1)
+        if config.enable_eplb:  # + the redundant slots: the layers hold physical slots and a map
+            expert_shard = (*expert_shard, config.eplb_config.num_redundant_experts)
         spec = config.speculative_config
         loaded = load_model(config.model, config.torch_dtype(), self.device, config.packed_weights, expert_shard,
                             mtp=spec is not None and spec.method == "mtp", revision=config.revision)
@@ -176,7 +178,8 @@ class LLMEngine:
         if self.config.enable_expert_parallel and hasattr(model, "bind_ep_group"):
             from deepinfer_dp.distributed.moe_dispatch import init_ep_group
 
-            model.bind_ep_group(init_ep_group(groups), self.config.all2all_backend)
+            model.bind_ep_group(init_ep_group(groups), self.config.all2all_backend,
+                                self.config.eplb_config if self.config.enable_eplb else None)
 
     def drop_lost_step(self) -> tuple[list[str], str]:
         """After the DP group failed: if a forward pass failed with it (a MoE collective lost

@@ -9,7 +9,8 @@ to float noise. No token is ever dropped (no capacity factor).
 
 The experts live in two tensors per layer, w13 [E, 2I, H] (gate rows, then up rows) and
 w2 [E, H, I]. Under expert parallelism (EP) a rank holds only the contiguous range of
-experts expert_range() gives it, and a dispatcher (distributed/moe_dispatch.py) moves each
+experts expert_range() gives it (with load balancing: its physical slots, see
+layers/expert_map.py), and a dispatcher (distributed/moe_dispatch.py) moves each
 token to the ranks that own its experts and sums their results back; without EP the layer
 computes everything locally. On CPU in fp32 the experts run in the C++ kernel `_C.moe_experts`
 (tokens sorted by expert, one grouped product per expert, SiLU fused, combine in slot order;
@@ -27,6 +28,7 @@ from torch import nn
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
+from deepinfer_dp.layers.expert_map import ExpertMap, check_layout, initial_placement
 
 # The C++ experts kernel on CPU (fp32); False selects the torch path everywhere.
 CPU_KERNEL = True
@@ -63,33 +65,71 @@ class MoEDispatcher(Protocol):
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of layer `layer_index` that this rank owns, and their forward."""
+    """The routed experts of layer `layer_index` that this rank owns, and their forward.
+
+    `shard` is (rank, size), or (rank, size, redundant) with load balancing: the layer then
+    has num_experts + redundant physical slots, an equal share on each rank, and an
+    ExpertMap from the router's logical experts to them (layers/expert_map.py). Without it a
+    slot is its logical expert. first_expert/end_expert are this rank's slot range."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 layer_index: int, shard: tuple[int, int] = (0, 1)) -> None:
+                 layer_index: int, shard: tuple[int, ...] = (0, 1)) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.layer_index = layer_index
-        self.first_expert, self.end_expert = expert_range(*shard, num_experts)
+        self._set_shard(shard)
         local = self.end_expert - self.first_expert
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
         self.dispatcher: MoEDispatcher | None = None
-        # Token-slots this rank's experts computed for real tokens (placeholder tokens are
-        # not counted), by global expert id; the model owns the array, this is its row.
-        self.expert_tokens = np.zeros(num_experts, dtype=np.int64)
+        # Token-slots this rank's slots computed for real tokens (placeholder tokens are not
+        # counted), by global slot id; the model owns the array, this is its row.
+        self.expert_tokens = np.zeros(self.num_slots, dtype=np.int64)
+
+    def _set_shard(self, shard: tuple[int, ...]) -> None:
+        rank, size, *redundant = shard
+        self.expert_map: ExpertMap | None = None
+        self.num_slots = self.num_experts + (redundant[0] if redundant else 0)
+        if redundant:
+            check_layout(self.num_experts, redundant[0], size)
+            self.expert_map = ExpertMap(initial_placement(self.num_experts, self.num_slots), self.num_experts,
+                                        size, torch.device("cpu"))
+        self.rank = rank
+        self.first_expert, self.end_expert = expert_range(rank, size, self.num_slots)
+        owners = [r for r in range(size) for _ in range(*expert_range(r, size, self.num_slots))]
+        self._owner = torch.tensor(owners, dtype=torch.int64, device="cpu")  # not the meta device of a build
 
     @property
     def num_local_experts(self) -> int:
         return self.end_expert - self.first_expert
 
-    def reshard(self, shard: tuple[int, int]) -> None:
-        """Holds the experts of `shard` (rank, size) from now on: fresh uninitialized tensors
-        (the caller loads them), the old ones freed."""
-        self.first_expert, self.end_expert = expert_range(*shard, self.num_experts)
+    def local_logical(self) -> list[int]:
+        """The logical expert each of this rank's slots holds, in slot order."""
+        if self.expert_map is None:
+            return list(range(self.first_expert, self.end_expert))
+        return self.expert_map.local_logical(self.rank)
+
+    def slot_owner(self, device: torch.device) -> torch.Tensor:
+        """int64 [num_slots]: the rank holding each physical slot, on `device`."""
+        if self._owner.device != device:
+            self._owner = self._owner.to(device)
+        return self._owner
+
+    def place_on(self, device: torch.device) -> None:
+        """Moves the expert map's tables to `device` (where the router's ids are)."""
+        if self.expert_map is not None and self.expert_map.device != device:
+            self.expert_map = ExpertMap(self.expert_map.phys_to_log, self.num_experts, self.expert_map.num_ranks,
+                                        device)
+
+    def reshard(self, shard: tuple[int, ...]) -> None:
+        """Holds the experts of `shard` from now on (the initial placement under load
+        balancing): fresh uninitialized tensors (the caller loads them), the old ones freed."""
+        device = self.w13.device
+        self._set_shard(shard)
+        self.place_on(device)
         like = self.w13
         self.w13 = nn.Parameter(like.new_empty(self.num_local_experts, *like.shape[1:]), requires_grad=False)
         self.w2 = nn.Parameter(like.new_empty(self.num_local_experts, *self.w2.shape[1:]), requires_grad=False)
@@ -97,6 +137,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counted: bool = True) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] from select_experts -> [T, H]. `counted`: the tokens
         are real (not the placeholder step's dummy), so they count in expert_tokens."""
+        if self.expert_map is not None:
+            self.place_on(ids.device)
+            ids = self.expert_map.to_physical(ids, counted)
         if self.dispatcher is not None:
             return self.dispatcher.dispatch_combine(self, x, ids, weights, counted)
         return self.compute(x, ids, weights, counted)
@@ -106,7 +149,7 @@ class FusedMoE(nn.Module):
         """This rank's experts' share of each token: the slots of other ranks' experts add
         nothing. `counted` may be a bool [T] mask of the rows to count (tokens from peers)."""
         local = ids - self.first_expert
-        if self.first_expert > 0 or self.end_expert < self.num_experts:
+        if self.first_expert > 0 or self.end_expert < self.num_slots:
             local = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
         self._count(local, counted)
         if x.shape[0] == 0:  # no token of any rank routed here (NumPy gives empty rows no strides)

@@ -121,6 +121,7 @@ class RankStatsCollector(Collector):
         yield restarts
         yield from drop_families(self.client)
         yield from moe_families(stats)
+        yield from eplb_families(stats)
 
 
 DROP_REASONS = {"malformed": "did not decode", "unauthorized": "a message its sender's role may not send",
@@ -156,7 +157,8 @@ def moe_families(stats: list[dict]) -> Iterator[Metric]:
     if not moe:
         return
     tokens = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Token-slots of real tokens each expert "
-                                 "computed on the rank (its own experts under expert parallelism).",
+                                 "computed on the rank (its own experts under expert parallelism; with load "
+                                 "balancing `expert` is the physical slot, see eplb_slot_expert).",
                                  labels=["dp_rank", "layer", "expert"])
     collective = CounterMetricFamily(PREFIX + "moe_collective_time_seconds", "Time in the MoE layers' "
                                      "expert-parallel collectives (dispatch and combine).", labels=["dp_rank"])
@@ -171,6 +173,42 @@ def moe_families(stats: list[dict]) -> Iterator[Metric]:
         collective.add_metric([dp_rank], float(rank["moe_collective_s"]))
         share.add_metric([dp_rank], float(rank["moe_collective_share"]))
     yield from (tokens, collective, share)
+
+
+def eplb_families(stats: list[dict]) -> Iterator[Metric]:
+    """Expert load balancing (ranks that run it): the balancedness the last rebalance measured
+    (mean over max token-slots per rank over the window; the same on every rank), rebalances
+    done, the weight bytes this rank sent and its time moving, and which logical expert each
+    physical slot holds now."""
+    ranks = [rank for rank in stats if "eplb_rebalances" in rank]
+    if not ranks:
+        return
+    overall = GaugeMetricFamily(PREFIX + "eplb_balancedness", "Mean over max token-slots per rank at the last "
+                                "rebalance, all MoE layers (vLLM's measure; 1 is perfect).", labels=["dp_rank"])
+    per_layer = GaugeMetricFamily(PREFIX + "eplb_layer_balancedness", "Mean over max token-slots per rank of one "
+                                  "MoE layer at the last rebalance.", labels=["dp_rank", "layer"])
+    done = CounterMetricFamily(PREFIX + "eplb_rebalances", "Rebalances whose every layer has switched to the new "
+                               "placement.", labels=["dp_rank"])
+    moved = CounterMetricFamily(PREFIX + "eplb_moved_bytes", "Expert weight bytes this rank sent to peers when "
+                                "rebalancing.", labels=["dp_rank"])
+    seconds = CounterMetricFamily(PREFIX + "eplb_move_time_seconds", "Time this rank spent moving experts and "
+                                  "switching maps (inside forward passes).", labels=["dp_rank"])
+    slots = GaugeMetricFamily(PREFIX + "eplb_slot_expert", "The logical expert a physical slot holds now.",
+                              labels=["dp_rank", "layer", "slot"])
+    for rank in ranks:
+        dp_rank = str(rank.get("dp_rank", 0))
+        if rank["eplb_balancedness"] is not None:
+            overall.add_metric([dp_rank], float(rank["eplb_balancedness"]))
+            for layer, value in zip(rank["moe_layers"], rank["eplb_balancedness_per_layer"], strict=True):
+                per_layer.add_metric([dp_rank, str(layer)], float(value))
+        done.add_metric([dp_rank], float(rank["eplb_rebalances"]))
+        moved.add_metric([dp_rank], float(rank["eplb_moved_bytes"]))
+        seconds.add_metric([dp_rank], float(rank["eplb_move_s"]))
+        first, end = rank["moe_local_experts"]
+        for layer, placement in zip(rank["moe_layers"], rank["eplb_placement"], strict=True):
+            for slot in range(first, end):
+                slots.add_metric([dp_rank, str(layer), str(slot)], float(placement[slot]))
+    yield from (overall, per_layer, done, moved, seconds, slots)
 
 
 def _compile_histogram(stats: list[dict]) -> Metric:

@@ -99,7 +99,7 @@ class DeepseekRouter(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts (this rank's share under EP) plus the always-on shared experts."""
 
-    def __init__(self, config, layer_index: int, shard: tuple[int, int]) -> None:
+    def __init__(self, config, layer_index: int, shard: tuple[int, ...]) -> None:
         super().__init__()
         self.gate = DeepseekRouter(config)
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
@@ -114,7 +114,7 @@ class DeepseekMoE(nn.Module):
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, context: ForwardContext, rotary_emb: RotaryEmbedding, layer_index: int,
-                 shard: tuple[int, int]) -> None:
+                 shard: tuple[int, ...]) -> None:
         nn.Module.__init__(self)  # the Llama layer's attention is not built: MLA replaces it
         self.self_attn = MLAttention(config, context, rotary_emb)
         if layer_index >= config.first_k_dense_replace:
@@ -148,10 +148,10 @@ class DeepseekForCausalLM(MoeForCausalLM):
     # submodule): its MoE dispatches over the same EP group as the decoder's.
     nextn: tuple = ()
 
-    def bind_ep_group(self, ep, backend: str) -> None:
-        super().bind_ep_group(ep, backend)
+    def bind_ep_group(self, ep, backend: str, eplb=None) -> None:
+        super().bind_ep_group(ep, backend, eplb)
         for mtp in self.nextn:
-            mtp.bind_dispatcher(self.dispatcher, self.expert_shard, self.source_dir)
+            mtp.bind_dispatcher(self.dispatcher, self.expert_shard[:2], self.source_dir)  # its experts do not move
 
     def make_model(self, config) -> nn.Module:
         # One rotary table of qk_rope_head_dim (config.head_dim in transformers' DeepSeek configs).

@@ -192,7 +192,7 @@ def attach_mtp_layer(target: nn.Module) -> DeepseekMTP:
     prefix = f"model.layers.{config.num_hidden_layers}."
     param = next(target.parameters())
     with torch.device("meta"):  # under EP, with the target's share of the layer's routed experts
-        mtp = DeepseekMTP(config, target, target.expert_shard)
+        mtp = DeepseekMTP(config, target, target.expert_shard[:2])  # no load balancing: its experts stay
     mtp.to_empty(device=param.device)
     mtp = mtp.to(param.dtype)
     mtp.load_weights(iterate_weights(Path(target.source_dir),

@@ -65,10 +65,11 @@ def load_hf_config(model_dir: str | os.PathLike) -> PretrainedConfig:
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                expert_shard: tuple[int, int] = (0, 1)) -> nn.Module:
+                expert_shard: tuple[int, ...] = (0, 1)) -> nn.Module:
     """An uninitialized model on `device`: built on the meta device so that no time goes
     into random initialization that the checkpoint overwrites anyway. A mixture-of-experts
-    model holds only the routed experts of `expert_shard` (rank, size)."""
+    model holds only the routed experts of `expert_shard` (rank, size), or the physical
+    slots of (rank, size, redundant experts) under expert-parallel load balancing."""
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, expert_shard) if cls.mixture_of_experts else cls(config)
@@ -79,7 +80,7 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device | str,
-               packed: bool = True, expert_shard: tuple[int, int] = (0, 1), mtp: bool = False,
+               packed: bool = True, expert_shard: tuple[int, ...] = (0, 1), mtp: bool = False,
                revision: str | None = None) -> LoadedModel:
     """Loads `model` (HF directory, .gguf file, a repo id in the local Hugging Face cache at
     `revision`, or None for the default model). With `packed`,

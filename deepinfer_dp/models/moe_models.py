@@ -16,6 +16,7 @@ checkpoint if the group it joins has another size (a re-formed group after a ran
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,10 +28,12 @@ import torch
 from torch import nn
 
 from deepinfer_dp.layers.attention import AttentionMetadata
+from deepinfer_dp.layers.expert_map import fit_redundant
 from deepinfer_dp.layers.moe import FusedMoE, select_experts
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from deepinfer_dp.models.weights import iterate_weights
 
+logger = logging.getLogger(__name__)
 # <prefix>.experts.<e>.<projection>.weight, in either family's names
 _EXPERT_NAME = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PIECE = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # gate, up, down
@@ -67,7 +70,7 @@ def is_sparse_layer(config, layer_index: int) -> bool:
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config, layer_index: int, shard: tuple[int, int]) -> None:
+    def __init__(self, config, layer_index: int, shard: tuple[int, ...]) -> None:
         super().__init__()
         spec = moe_spec(config)
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
@@ -89,7 +92,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, context, rotary_emb, layer_index: int, shard: tuple[int, int]) -> None:
+    def __init__(self, config, context, rotary_emb, layer_index: int, shard: tuple[int, ...]) -> None:
         self.shard = shard  # read by make_mlp, which the parent constructor calls
         super().__init__(config, context, rotary_emb, layer_index)
 
@@ -102,22 +105,27 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeForCausalLM(LlamaForCausalLM):
     mixture_of_experts = True
 
-    def __init__(self, config, expert_shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, config, expert_shard: tuple[int, ...] = (0, 1)) -> None:
         self.expert_shard = expert_shard
         super().__init__(config)
         self.spec = moe_spec(config)
         # the feed-forward blocks with routed experts (SparseMoeBlock, DeepSeek's DeepseekMoE)
         self.moe_blocks = [layer.mlp for layer in self.model.layers
                            if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]
-        # Token-slots per (MoE layer, expert) this rank's experts computed: its expert load.
-        self.expert_tokens = np.zeros((len(self.moe_blocks), self.spec.num_experts), dtype=np.int64)
-        for row, block in zip(self.expert_tokens, self.moe_blocks, strict=True):
-            block.experts.expert_tokens = row
+        self._bind_expert_tokens()
+        self.balancer = None  # eplb.rebalancer.Rebalancer, under expert-parallel load balancing
         self.source_dir: str | None = None  # the checkpoint, for reloading experts (set by the loader)
         self._past_collective_s = 0.0  # of dispatchers replaced by a re-formed group's
 
     def make_model(self, config) -> nn.Module:
         return LlamaModel(config, self.context, partial(MoeDecoderLayer, shard=self.expert_shard))
+
+    def _bind_expert_tokens(self) -> None:
+        """Token-slots per (MoE layer, physical slot) this rank's slots computed: its load."""
+        slots = self.moe_blocks[0].experts.num_slots if self.moe_blocks else self.spec.num_experts
+        self.expert_tokens = np.zeros((len(self.moe_blocks), slots), dtype=np.int64)
+        for row, block in zip(self.expert_tokens, self.moe_blocks, strict=True):
+            block.experts.expert_tokens = row
 
     @property
     def moe_layer_indices(self) -> list[int]:
@@ -128,34 +136,51 @@ class MoeForCausalLM(LlamaForCausalLM):
         counted = not attn_metadata.is_placeholder
         for block in self.moe_blocks:
             block.counted = counted
+        if self.balancer is not None:  # before the dispatcher: a rebalance may switch maps now
+            self.balancer.begin_step()
         if self.dispatcher is not None:
             self.dispatcher.begin_step(input_ids.shape[0])
         return super().forward(input_ids, positions, attn_metadata)
 
     # ---- expert parallelism -----------------------------------------------------------------
-    def bind_ep_group(self, ep, backend: str) -> None:
+    def bind_ep_group(self, ep, backend: str, eplb=None) -> None:
         """Makes the MoE layers dispatch over `ep` (an EPGroup; None or one rank: local
         experts only). If the group's (rank, size) is not the shard this model holds -- a
-        group re-formed after a rank died -- the routed experts are reloaded for it first."""
+        group re-formed after a rank died -- the routed experts are reloaded for it first (in
+        the initial placement under load balancing). `eplb` (an EPLBConfig): balance the
+        experts' load over the group from now on."""
         from deepinfer_dp.distributed.moe_dispatch import make_dispatcher
+        from deepinfer_dp.eplb.rebalancer import Rebalancer
 
         shard = (ep.rank, ep.size) if ep is not None else (0, 1)
-        if shard != self.expert_shard:
+        if len(self.expert_shard) == 3:  # a group of another size may need another redundant count
+            wanted = eplb.num_redundant_experts if eplb is not None else self.expert_shard[2]
+            shard = (*shard, fit_redundant(self.spec.num_experts, wanted, shard[1]))
+            if shard[2] != wanted:
+                logger.warning("expert load balancing over %d ranks: %d redundant expert slots instead of %d "
+                               "(the slots must divide evenly over the ranks)", shard[1], shard[2], wanted)
+        moved = any(b.experts.expert_map is not None and not b.experts.expert_map.is_initial() for b in self.moe_blocks)
+        if shard != self.expert_shard or moved:  # every rank of a new group starts from the initial placement
             self.reload_experts(shard)
         dispatcher = make_dispatcher(backend, ep, self.spec.num_experts) if ep is not None and ep.size > 1 else None
         if self.dispatcher is not None:  # the time stays a counter across re-formed groups
             self._past_collective_s += self.dispatcher.collective_s
         for block in self.moe_blocks:
             block.experts.dispatcher = dispatcher
+        past = self.balancer
+        self.balancer = None
+        if eplb is not None and dispatcher is not None:
+            self.balancer = Rebalancer(eplb, [b.experts for b in self.moe_blocks], ep, past)
 
     @property
     def dispatcher(self):
         return self.moe_blocks[0].experts.dispatcher if self.moe_blocks else None
 
     def moe_stats(self, device_busy_s: float) -> dict:
-        """What EP users watch, for the rank's stats. `moe_expert_tokens[i][e]`: token-slots of
-        real tokens (not the placeholder's) expert e of MoE layer moe_layers[i] computed on
-        this rank -- under EP only its own experts, whichever rank sent the tokens."""
+        """What EP users watch, for the rank's stats. `moe_expert_tokens[i][p]`: token-slots of
+        real tokens (not the placeholder's) physical slot p of MoE layer moe_layers[i] computed
+        on this rank -- under EP only its own slots, whichever rank sent the tokens (without
+        load balancing a slot is its expert)."""
         dispatcher, experts = self.dispatcher, self.moe_blocks[0].experts if self.moe_blocks else None
         collective_s = self._past_collective_s + (dispatcher.collective_s if dispatcher is not None else 0.0)
         return {"moe_layers": self.moe_layer_indices, "moe_expert_tokens": self.expert_tokens.tolist(),
@@ -166,15 +191,18 @@ class MoeForCausalLM(LlamaForCausalLM):
                 "moe_collectives": dispatcher.num_collectives if dispatcher is not None else 0,
                 "moe_expert_bytes": sum(b.experts.w13.nbytes + b.experts.w2.nbytes for b in self.moe_blocks),
                 # CPU: a share of the compute thread's busy time (the collectives run on it)
-                "moe_collective_share": collective_s / device_busy_s if device_busy_s > 0 else 0.0}
+                "moe_collective_share": collective_s / device_busy_s if device_busy_s > 0 else 0.0,
+                **(self.balancer.stats() if self.balancer is not None else {})}
 
-    def reload_experts(self, shard: tuple[int, int]) -> None:
+    def reload_experts(self, shard: tuple[int, ...]) -> None:
         """Holds and loads the routed experts of `shard` from the checkpoint (source_dir)."""
         if self.source_dir is None:
             raise RuntimeError("reload_experts needs the checkpoint directory (source_dir)")
         self.expert_shard = shard
         for block in self.moe_blocks:
             block.experts.reshard(shard)
+        if self.moe_blocks and self.expert_tokens.shape[1] != self.moe_blocks[0].experts.num_slots:
+            self._bind_expert_tokens()  # another slot count: the counters start again
         done: set[tuple[str, int, int]] = set()
         for name, tensor in iterate_weights(Path(self.source_dir), self._is_local_expert):
             name = name.replace(".block_sparse_moe.", ".mlp.")
@@ -190,8 +218,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_NAME.match(name.replace(".block_sparse_moe.", ".mlp."))
         if match is None or not self.moe_blocks:
             return True
-        expert, moe = int(match.group(2)), self.moe_blocks[0].experts
-        return moe.first_expert <= expert < moe.end_expert or expert >= moe.num_experts
+        expert, experts = int(match.group(2)), self._experts_of(match.group(1))
+        return experts is None or expert >= experts.num_experts or expert in experts.local_logical()
+
+    def _experts_of(self, prefix: str) -> FusedMoE | None:
+        """The routed experts of the block at `prefix` (model.layers.N.mlp), if it has any."""
+        try:
+            return getattr(self.get_submodule(prefix), "experts", None)
+        except AttributeError:  # a layer this model does not build (DeepSeek's next-n layer)
+            return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -214,23 +249,23 @@ class MoeForCausalLM(LlamaForCausalLM):
         moe = self.get_submodule(prefix).experts
         if not 0 <= expert < moe.num_experts:
             raise ValueError(f"checkpoint weight {name!r}: expert {expert} outside the model's {moe.num_experts}")
-        if not moe.first_expert <= expert < moe.end_expert:
-            return  # another rank's expert
-        local = expert - moe.first_expert
         inter = moe.intermediate_size
-        dst = moe.w2[local] if piece == 2 else moe.w13[local].narrow(0, piece * inter, inter)
-        if dst.shape != tensor.shape:
-            raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(tensor)
-        done.add((prefix, expert, piece))
+        for local, held in enumerate(moe.local_logical()):  # every slot holding it (none: another rank's)
+            if held != expert:
+                continue
+            dst = moe.w2[local] if piece == 2 else moe.w13[local].narrow(0, piece * inter, inter)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            done.add((prefix, expert, piece))
 
     def _check_experts(self, done: set[tuple[str, int, int]]) -> None:
         missing = []
         for layer, block in zip(self.moe_layer_indices, self.moe_blocks, strict=True):
             moe = block.experts
-            for e in range(moe.first_expert, moe.end_expert):
+            for e in sorted(set(moe.local_logical())):
                 missing += [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                             for piece, proj in enumerate(("gate_proj", "up_proj", "down_proj"))
                             if (f"model.layers.{layer}.mlp", e, piece) not in done]

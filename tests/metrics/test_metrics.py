@@ -81,9 +81,10 @@ def _queried_names(exprs: list[str]) -> set[str]:
 def test_dashboard_and_alerts_query_only_exported_metrics(server):
     dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
     # the MoE panels' series exist with a MoE model only (tests/metrics/test_moe_metrics.py checks them),
-    # the image panels' with a vision model only (tests/multimodal/test_server_images.py)
+    # the expert balancer's with EPLB on (test_eplb_metrics.py), the image panels' with a vision model
+    # only (tests/multimodal/test_server_images.py)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])
-             if "deepinfer:moe_" not in t["expr"] and "deepinfer:mm_" not in t["expr"]]
+             if not any(f"deepinfer:{kind}_" in t["expr"] for kind in ("moe", "eplb", "mm"))]
     rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
     exprs_alerts = [r["expr"] for g in rules["groups"] for r in g["rules"]]
     exported = exported_names(server)
