@@ -195,6 +195,7 @@ class RankServer:
                                 self.group_timeout_s)
         self.engine.join_dp_group(groups)
         self.wave = r.wave
+        self._send(p.Reformed(self.dp_rank, r.wave))
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
                        r.world_size)
         return "request" if self.engine.has_local_unfinished_requests() else None
