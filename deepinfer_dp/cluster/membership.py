@@ -248,6 +248,8 @@ class Membership:
 
     def mark_down(self, dp_rank: int, reason: str) -> None:
         with self._lock:
+            if dp_rank >= len(self.ranks):
+                return  # the group shrank past it
             rank = self.ranks[dp_rank]
             if not rank.up:
                 return

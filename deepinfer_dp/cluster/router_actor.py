@@ -117,6 +117,8 @@ class RouterActor:
         return list(self.infos)
 
     def alive(self, dp_rank: int) -> bool:
+        if dp_rank >= len(self.infos):
+            return True  # the group shrank past it while the health check ran: not a failure
         info = self.infos[dp_rank]
         if info["pid"] < 0:
             return False  # lost while the router restarted
