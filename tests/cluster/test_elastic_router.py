@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 from test_router import PARAMS, _outcome, cluster
@@ -62,6 +63,28 @@ def test_shrinking_without_drain_moves_the_request_by_recompute():
         assert [t for d in (*deltas, last) for t in d.token_ids] == [100, 100, 100]  # rank 0's, after 41, 42
         assert (last.prompt_len, last.output_len) == (0, 2)  # the fake sends none; shifted back by 2
         assert liveness.stopped_from == 1 and len(router.membership.ranks) == 1
+
+
+def test_a_draining_rank_gets_no_new_requests_and_finishes_its_own():
+    with cluster(2) as (router, ranks, liveness, new_client):
+        ranks[1].hold = True
+        client = new_client()
+        got = {rid: queue.Queue() for rid in ("a", "b", "c", "d")}
+        for rid in ("a", "b"):
+            client.submit(rid, [5, 6], PARAMS, got[rid].put)
+        ranks[1].next_message(p.AddRequest)
+        result: list = []
+        shrinking = threading.Thread(target=lambda: result.append(router.scale(1, drain_timeout_s=30)))
+        shrinking.start()
+        while not router.membership.ranks[1].leaving:
+            time.sleep(0.01)
+        for rid in ("c", "d"):  # round robin would give rank 1 one of them
+            client.submit(rid, [5, 6], PARAMS, got[rid].put)
+        assert [_outcome(got[rid])[1].dp_rank for rid in ("c", "d")] == [0, 0]
+        assert shrinking.is_alive()  # still draining: rank 1 has "b"
+        ranks[1].send(p.Deltas(1, [TokenDelta("b", [9], True, "length", dp_rank=1)]))
+        shrinking.join(10)
+        assert result[0]["migrated"] == 0 and _outcome(got["b"])[1].token_ids == [9]
 
 
 def test_a_request_that_cannot_move_fails_with_the_reason():
