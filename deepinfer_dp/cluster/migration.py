@@ -55,9 +55,10 @@ class RequestLog:
         return msgspec.structs.replace(delta, prompt_len=max(0, delta.prompt_len - entry.shift),
                                        output_len=delta.output_len + entry.shift)
 
-    def resubmission(self, request_id: str) -> p.AddRequest:
-        """The AddRequest that continues `request_id` on another rank; ValueError (naming why)
-        when it cannot continue there."""
+    def resubmission(self, request_id: str) -> p.AddRequest | None:
+        """The AddRequest that continues `request_id` on another rank; None when every token
+        it may have was delivered already (only its finish was still to come); ValueError
+        (naming why) when it cannot continue there."""
         entry = self._entries.get(request_id)
         if entry is None:
             raise ValueError(f"request {request_id}: the router has no record of it to move")
@@ -71,6 +72,8 @@ class RequestLog:
                              "another prompt on another rank")
         if params.get("max_tokens") is not None:
             params["max_tokens"] = params["max_tokens"] - done
+            if params["max_tokens"] <= 0:
+                return None
         params["min_tokens"] = max(0, params.get("min_tokens", 0) - done)
         params["prompt_logprobs"] = None  # delivered already with the first delta
         prompt = entry.request.prompt_token_ids + entry.delivered[entry.shift:]

@@ -36,6 +36,7 @@ from deepinfer_dp.cluster.policies import RoutingPolicy, make_policy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.config_file import RouterSection
+from deepinfer_dp.engine.client import TokenDelta
 
 logger = logging.getLogger(__name__)
 CLIENT_TIMEOUT_S = 30.0
@@ -203,6 +204,11 @@ class Router:
             self._forget(request_id)
             self._to_client(entry[0], p.RequestError(request_id, "rank_failed", f"{e}; DP rank {old.dp_rank} "
                                                      "left the group before it finished"))
+            return None
+        if moved is None:
+            self._forget(request_id)  # every token delivered, only the finish was still to come
+            self._to_client(entry[0], p.Deltas(old.dp_rank, [TokenDelta(request_id, [], True, "length",
+                                                                        dp_rank=old.dp_rank)]))
             return None
         self._requests[request_id] = (entry[0], -1)  # on no rank until send_to
         return moved

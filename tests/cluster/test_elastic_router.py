@@ -87,6 +87,21 @@ def test_a_draining_rank_gets_no_new_requests_and_finishes_its_own():
         assert result[0]["migrated"] == 0 and _outcome(got["b"])[1].token_ids == [9]
 
 
+def test_a_request_with_every_token_delivered_finishes_instead_of_moving():
+    with cluster(2) as (router, ranks, liveness, new_client):
+        ranks[1].hold = True
+        client = new_client()
+        got = {rid: queue.Queue() for rid in ("a", "b")}
+        for rid, q in got.items():
+            client.submit(rid, [5, 6], PARAMS, q.put)  # max_tokens 3
+        ranks[1].next_message(p.AddRequest)
+        ranks[1].send(p.Deltas(1, [TokenDelta("b", [1, 2, 3], dp_rank=1)]))
+        assert got["b"].get(timeout=10).token_ids == [1, 2, 3]
+        assert router.scale(1, drain_timeout_s=0)["migrated"] == 0
+        _, last = _outcome(got["b"])
+        assert (last.token_ids, last.finish_reason) == ([], "length")
+
+
 def test_a_request_that_cannot_move_fails_with_the_reason():
     with cluster(2) as (router, ranks, liveness, new_client):
         ranks[1].hold = True
