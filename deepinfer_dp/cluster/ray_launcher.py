@@ -242,12 +242,12 @@ class RayDeployment:
             raise ScaleError(started["status"], started["message"])
         deadline = time.monotonic() + drain_timeout_s + START_TIMEOUT_S + 2 * STOP_TIMEOUT_S
         while time.monotonic() < deadline:
-            state = ray.get(self.router.scale_state.remote(), timeout=STOP_TIMEOUT_S)
+            state = ray.get(self.router.scale_state.remote(started["id"]), timeout=STOP_TIMEOUT_S)
             if state["result"] is not None:
                 if state["result"]["status"] != 200:
                     raise ScaleError(state["result"]["status"], state["result"]["message"])
                 return {k: v for k, v in state["result"].items() if k != "status"}
-            if not state["scaling"]:  # a router that took over knows nothing of the change
+            if not state["known"]:  # a router that took over knows nothing of the change
                 raise ScaleError(503, "the router process restarted while the group changed size")
             time.sleep(0.2)
         raise ScaleError(503, "the change of the group's size did not finish in time")

@@ -47,7 +47,7 @@ class RouterActor:
         self.spare = None  # a warm rank process that replaces the next dead rank (RankSpec.create_spare)
         self._spare_warm = None  # its RankActor.warm call: the process id once its imports are done
         self._spare_lock = threading.Lock()  # two ranks may die, and restart, at once
-        self._scale_result: dict | None = None  # the latest change of the group's size (start_scale)
+        self._scale_results: dict[int, dict] = {}  # each change's outcome by its id (start_scale)
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
@@ -171,30 +171,33 @@ class RouterActor:
     # ---- elastic scaling (cluster/elastic.py) ----------------------------------------------
     def start_scale(self, new_size: int, drain_timeout_s: float) -> dict:
         """Starts a change of the group's size on a thread of this process (a Ray call must not
-        block the actor for minutes); {"status": 202}, or the refusal's status and message.
-        scale_state() tells when it is done."""
+        block the actor for minutes); {"status": 202, "id"}, or the refusal's status and
+        message. scale_state(id) tells when it is done."""
         from deepinfer_dp.cluster.elastic import ScaleError
 
         try:
             self.router.elastic.begin(new_size)
         except ScaleError as e:
             return {"status": e.status, "message": str(e)}
-        self._scale_result = None
-        threading.Thread(target=self._scale, args=(new_size, drain_timeout_s), name="elastic-scale",
+        change = len(self._scale_results)  # an id per change: a later one must not answer for it
+        self._scale_results[change] = {}
+        threading.Thread(target=self._scale, args=(change, new_size, drain_timeout_s), name="elastic-scale",
                          daemon=True).start()
-        return {"status": 202}
+        return {"status": 202, "id": change}
 
-    def _scale(self, new_size: int, drain_timeout_s: float) -> None:
+    def _scale(self, change: int, new_size: int, drain_timeout_s: float) -> None:
         from deepinfer_dp.cluster.elastic import ScaleError
 
         try:
-            self._scale_result = {"status": 200, **self.router.elastic.run(new_size, drain_timeout_s)}
+            self._scale_results[change] = {"status": 200, **self.router.elastic.run(new_size, drain_timeout_s)}
         except ScaleError as e:
-            self._scale_result = {"status": e.status, "message": str(e)}
+            self._scale_results[change] = {"status": e.status, "message": str(e)}
 
-    def scale_state(self) -> dict:
-        """{"scaling": bool, "result": the latest change's outcome (None while it runs)}."""
-        return {"scaling": self.router.elastic.scaling, "result": self._scale_result}
+    def scale_state(self, change: int | None = None) -> dict:
+        """{"scaling": bool, "known": whether this router started change `change` (one that took
+        over after a restart did not), "result": its outcome (None while it runs)}."""
+        return {"scaling": self.router.elastic.scaling, "known": change in self._scale_results,
+                "result": self._scale_results.get(change) or None}
 
     def start_ranks(self, dp_ranks: list[int], world_size: int) -> list[str]:
         """New ranks `dp_ranks` of a group growing to `world_size` (the warm spare first), each
