@@ -30,7 +30,7 @@ from deepinfer_dp.entrypoints.openai.launcher import ServerThread, make_dp_deplo
 from deepinfer_dp.sampling_params import SamplingParams  # noqa: E402
 
 NUM_STREAMS = 16  # per phase
-MAX_TOKENS = 240  # long enough that streams still run when the group changes
+MAX_TOKENS = 470  # long (a prompt is up to 33 tokens, the context 512): streams still run when the group changes
 KV_GB = 0.06
 STREAM_PROMPTS = [f"Request {i} asks about elastic data parallel serving" for i in range(2 * NUM_STREAMS)]
 DP_OPTIONS = {"collective_timeout_s": 15}
@@ -50,8 +50,10 @@ def expected(model_dir) -> list[str]:
 
 @contextlib.contextmanager
 def elastic_server(model_dir: str):
+    # One sequence at a time per rank: a tiny model's stream takes a second or two, so the
+    # streams queue on their ranks and a leaving rank still has some when the group shrinks.
     deployment = make_dp_deployment(model_dir, 2, MODEL_NAME, dp_options=DP_OPTIONS,
-                                    **{**ENGINE_OPTIONS, "kv_cache_memory_gb": KV_GB})
+                                    **{**ENGINE_OPTIONS, "kv_cache_memory_gb": KV_GB, "max_num_seqs": 1})
     server = ServerThread(deployment.router, MODEL_NAME, scaler=deployment).start()
     try:
         yield server, deployment
@@ -71,13 +73,15 @@ async def _scale(http: httpx.AsyncClient, size: int, drain_timeout: float) -> ht
 
 
 async def _phase(http: httpx.AsyncClient, indices: range, size: int, drain_timeout: float) -> tuple[list, dict, bool]:
-    """Streams `indices`; once a few have their first token the group changes to `size`, and
-    a second change asked meanwhile must get 409. The streams' outcomes, the change's answer
-    and whether /is_scaling_elastic_ep said so while it ran."""
+    """Streams `indices`; once a few have their first token and every rank has some, the
+    group changes to `size`, and a second change asked meanwhile must get 409. The streams'
+    outcomes, the change's answer and whether /is_scaling_elastic_ep said so while it ran."""
     started: asyncio.Queue = asyncio.Queue()
     tasks = await _streams(http, indices, started)
     for _ in range(4):
         await started.get()
+    while not all(r["inflight"] for r in (await http.get("/health")).json()["ranks"]):
+        await asyncio.sleep(0.05)  # every rank has streams of its own when the group changes
     change = asyncio.create_task(_scale(http, size, drain_timeout))
     seen_scaling = False
     while not change.done():
