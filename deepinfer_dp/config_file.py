@@ -94,6 +94,8 @@ class ServerSection(_Section):
     timeout_keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
     stall_timeout_s: float = Field(5.0, gt=0, description="/health reports a DP rank stalled (503) when it has work "
                                    "and has finished no step for this long")
+    enable_elastic_ep: bool = Field(False, description="serve POST /scale_elastic_ep and GET /is_scaling_elastic_ep: "
+                                    "grow or shrink the DP group while serving (dp_size > 1 over Ray, one API server)")
 
     def limits(self) -> ServerLimits:
         return ServerLimits(self.max_request_body_bytes, self.max_n, self.max_prompts, self.max_waiting_requests,

@@ -17,7 +17,8 @@ from deepinfer_dp.engine.client import TokenDelta
 class FakeRank:
     """Answers AddRequest with `num_tokens` deltas (token = 100 + dp_rank), unless `hold` is
     set (the request then stays in flight); Abort with an abort delta; StatsQuery with
-    {"fake": dp_rank} unless `mute`. Every message received is kept in `received`."""
+    {"fake": dp_rank} unless `mute`; Reform with Reformed. Every message received is kept in
+    `received`."""
 
     def __init__(self, dp_rank: int, backend: str, num_tokens: int = 3, key: ClusterKey | None = None) -> None:
         self.dp_rank = dp_rank
@@ -60,6 +61,8 @@ class FakeRank:
             elif isinstance(msg, p.Abort):
                 self.send(p.Deltas(self.dp_rank, [TokenDelta(r, [], True, "abort", dp_rank=self.dp_rank)
                                                   for r in msg.request_ids]))
+            elif isinstance(msg, p.Reform):
+                self.send(p.Reformed(self.dp_rank, msg.wave))
             elif isinstance(msg, p.StatsQuery) and not self.mute:
                 self.send(p.Stats(self.dp_rank, msg.query_id, {"dp_rank": self.dp_rank, "fake": True}))
 
@@ -88,6 +91,17 @@ class FakeLiveness:
 
     def kill(self, dp_rank: int) -> None:
         self.killed.append(dp_rank)
+
+    def start_ranks(self, dp_ranks: list[int], world_size: int) -> list[str]:
+        """New fake ranks for a growing group (set `backend` first)."""
+        if self.restart_error is not None:
+            raise self.restart_error
+        ranks = [FakeRank(i, self.backend, key=self.key) for i in dp_ranks]
+        self.restarted += ranks
+        return [r.address for r in ranks]
+
+    def stop_ranks(self, size: int) -> None:
+        self.stopped_from = size
 
     def restart(self, dp_rank: int) -> str:
         """A new fake rank for `dp_rank` (set `backend` first), once `restart_gate` opens;

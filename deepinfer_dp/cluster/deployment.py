@@ -82,6 +82,13 @@ class DPDeployment:
     def spare_pid(self) -> int | None:
         return self._cluster.spare_pid()
 
+    def scale(self, new_size: int, drain_timeout_s: float) -> dict:
+        """Grows or shrinks the DP group while it serves (RayDeployment.scale; ScaleError)."""
+        return self._cluster.scale(new_size, drain_timeout_s)
+
+    def is_scaling(self) -> bool:
+        return self._cluster.is_scaling()
+
     def shutdown(self) -> None:
         """The client, then the router and the ranks; safe to call twice."""
         if self._closed:

@@ -57,6 +57,8 @@ class RankHandle:
     woken_wave: int = -1  # the latest wave this rank was sent a Wake for
     down_reason: str = ""
     last_step: float = 0.0  # monotonic time of its latest step report (Deltas, StartWave, WaveDone)
+    leaving: bool = False  # the group shrinks past it: no new requests (cluster/elastic.py)
+    group_wave: int = -1  # the wave of the latest Reform it reported joining (Reformed)
 
     def send(self, msg) -> None:
         self.socket.send(p.encoder.encode(msg))
@@ -100,6 +102,40 @@ class Membership:
 
     def up(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.up]
+
+    def accepting(self) -> list[RankHandle]:
+        """The ranks new requests may go to: up, and not leaving the group."""
+        return [r for r in self.ranks if r.up and not r.leaving]
+
+    # ---- elastic scaling (cluster/elastic.py) ----------------------------------------------
+    def add_ranks(self, addresses: list[str]) -> None:
+        """New ranks, serving with no group, as dp_ranks len(ranks)...; reform() takes them in."""
+        with self._lock:
+            for address in addresses:
+                self.ranks.append(RankHandle(len(self.ranks), address, self._connect(address)))
+
+    def remove_ranks(self, size: int) -> list[RankHandle]:
+        """Drops the ranks from dp_rank `size` on (their requests moved away) and asks them to
+        leave; the caller re-forms the others and stops the processes."""
+        with self._lock:
+            gone, self.ranks = self.ranks[size:], self.ranks[:size]
+            for r in gone:
+                self._restarting.discard(r.dp_rank)
+                self.restarts.pop(r.dp_rank, None)
+                r.up = False
+                r.send(p.Shutdown())
+                r.socket.close(linger=500)
+            return gone
+
+    def reform(self) -> int:
+        """A fresh group of the ranks that are up; its wave (each member reports Reformed)."""
+        with self._lock:
+            self._reform()
+            return self._reform_wave
+
+    def reformed(self, msg: p.Reformed) -> None:
+        if 0 <= msg.dp_rank < len(self.ranks):
+            self.ranks[msg.dp_rank].group_wave = max(self.ranks[msg.dp_rank].group_wave, msg.wave)
 
     def health(self) -> list[dict]:
         # "restarts": a rank replaced by the warm spare can be down for well under a second,
@@ -191,7 +227,7 @@ class Membership:
             return
         with self._lock:
             self._restarting.discard(dp_rank)
-            if self._closed:
+            if self._closed or dp_rank >= len(self.ranks):  # stopped, or the group shrank past it
                 self.liveness.kill(dp_rank)
                 return
             logger.warning("DP rank %d restarted in %.1fs; re-forming at full size", dp_rank,
@@ -212,6 +248,8 @@ class Membership:
 
     def mark_down(self, dp_rank: int, reason: str) -> None:
         with self._lock:
+            if dp_rank >= len(self.ranks):
+                return  # the group shrank past it
             rank = self.ranks[dp_rank]
             if not rank.up:
                 return

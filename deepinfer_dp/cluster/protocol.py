@@ -10,7 +10,7 @@ the role listed for it below (cluster/inbox.py).
 
     client -> router   Hello, AddRequest, Abort, StatsQuery, HealthQuery, Goodbye
     router -> rank     AddRequest, Abort, Wake, StatsQuery, Reform, Shutdown
-    rank -> router     Deltas, Rejected, StartWave, WaveDone, Stats, GroupBroken
+    rank -> router     Deltas, Rejected, StartWave, WaveDone, Stats, GroupBroken, Reformed
     router -> client   Deltas, RequestError, StatsReply, HealthReply
 """
 
@@ -130,6 +130,13 @@ class GroupBroken(msgspec.Struct, tag=True):
     request_ids: list[str] = []
 
 
+class Reformed(msgspec.Struct, tag=True):
+    """This rank joined the group of the Reform for `wave` (a scale waits for every member)."""
+
+    dp_rank: int
+    wave: int
+
+
 # ---- client <-> router ----------------------------------------------------------------
 class Hello(msgspec.Struct, tag=True):
     """A client's first message: where the router sends its replies."""
@@ -169,10 +176,12 @@ class HealthReply(msgspec.Struct, tag=True):
     ranks: list[dict[str, Any]]  # {"dp_rank", "up", "inflight", "reason"} per rank
     group_failures: int = 0  # failed lockstep votes reported so far (each led to a re-form)
     router_id: str = ""  # this router process's; a new one means it restarted and lost its requests
+    # the group's size and scaling (cluster/elastic.py): {"group_size", "scaling", "scale_events"}
+    elastic: dict[str, Any] = {}
 
 
 ToRank = AddRequest | Abort | Wake | StatsQuery | Reform | Shutdown
-FromRank = Deltas | Rejected | StartWave | WaveDone | Stats | GroupBroken
+FromRank = Deltas | Rejected | StartWave | WaveDone | Stats | GroupBroken | Reformed
 FromClient = Hello | AddRequest | Abort | StatsQuery | HealthQuery | Goodbye
 ToClient = Deltas | RequestError | StatsReply | HealthReply
 

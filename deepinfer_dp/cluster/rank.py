@@ -192,11 +192,15 @@ class RankServer:
         """Joins the fresh group; the engine's own requests survive (the failed collective
         was the vote, before any step), so a rank with work starts a wave right away."""
         r, self._reform = self._reform, None
+        # The last step's forward may still run on the device thread (ZOS): it uses the old
+        # group and, under expert parallelism, the experts the new group reloads.
+        self.engine.worker.drain()
         destroy_dp_groups()
         groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, self.engine.device,
                                 self.group_timeout_s)
         self.engine.join_dp_group(groups)
         self.wave = r.wave
+        self._send(p.Reformed(self.dp_rank, r.wave))
         logger.warning("DP rank %d re-formed as group rank %d of %d", self.dp_rank, r.group_rank,
                        r.world_size)
         return "request" if self.engine.has_local_unfinished_requests() else None

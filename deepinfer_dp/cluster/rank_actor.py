@@ -54,10 +54,12 @@ class RankActor:
 
         return os.getpid()
 
-    def take_over(self, dp_rank: int, router_addr: str, timeout_s: float, host: str) -> dict:
-        """A warm spare becomes DP rank `dp_rank` (whose process died): rejoin() as that rank."""
-        self.dp_rank = dp_rank
-        self.config = EngineConfig(**{**self._config, "dp_rank": dp_rank})
+    def take_over(self, dp_rank: int, router_addr: str, timeout_s: float, host: str,
+                  world_size: int | None = None) -> dict:
+        """A warm spare becomes DP rank `dp_rank` of a group of `world_size` (default: the one
+        it was made for): a dead rank's place, or a new one of a growing group; rejoin() as it."""
+        self.dp_rank, self.world_size = dp_rank, world_size or self.world_size
+        self.config = EngineConfig(**{**self._config, "dp_rank": dp_rank, "dp_size": self.world_size})
         return self.rejoin(router_addr, timeout_s, host)
 
     def _load(self):
@@ -81,7 +83,8 @@ class RankActor:
         self._info = {"address": server.address, "pid": os.getpid(), "vocab_size": engine.vocab_size,
                       "max_model_len": engine.max_model_len, "node_id": ray.get_runtime_context().get_node_id(),
                       "sampling_defaults": engine.input_processor.sampling_defaults,
-                      "takes_images": engine.images is not None}
+                      "takes_images": engine.images is not None,
+                      "max_group_size": _max_group_size(engine)}
         return self._info
 
     def info(self) -> dict | None:
@@ -115,11 +118,24 @@ class RankSpec:
     key: ClusterKey | None  # None: data_plane_auth off
     spare: bool  # keep a warm spare rank process (CPU ranks only, see create_spare): router.spare_rank
 
-    def create(self, dp_rank: int):
-        return ray.remote(RankActor).options(
-            num_cpus=self.cpus_per_rank, num_gpus=self.gpus, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, dp_rank),
-        ).remote({**self.config, "dp_rank": dp_rank}, dp_rank, self.dp_size, self.key)
+    def create(self, dp_rank: int, world_size: int | None = None):
+        """Rank `dp_rank` of a group of `world_size` (default: the first group's) in its bundle
+        of the placement group. A rank past the first group's bundles (the group grew) is
+        placed as the warm spare is: CPU ranks only, reserving no Ray CPU, on the cores it
+        binds; Ray hands a GPU only to an actor created in a bundle."""
+        world_size = world_size or self.dp_size
+        config = {**self.config, "dp_rank": dp_rank, "dp_size": world_size}
+        if dp_rank < self.dp_size:
+            strategy = PlacementGroupSchedulingStrategy(self.pg, dp_rank)
+            return ray.remote(RankActor).options(num_cpus=self.cpus_per_rank, num_gpus=self.gpus, max_restarts=0,
+                                                 scheduling_strategy=strategy).remote(config, dp_rank, world_size,
+                                                                                      self.key)
+        if self.gpus:
+            raise RuntimeError(f"DP rank {dp_rank}: growing past the first group's {self.dp_size} placement "
+                               "bundles works for CPU ranks only (a GPU rank needs a bundle with its GPU)")
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        return ray.remote(RankActor).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(
+            config, dp_rank, world_size, self.key)
 
     def create_spare(self, node_id: str):
         """A rank process for later, on `node_id` (call RankActor.warm on it), or None.
@@ -133,6 +149,15 @@ class RankSpec:
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         ).remote({**self.config, "dp_rank": 0}, 0, self.dp_size, self.key)
 
+
+
+def _max_group_size(engine) -> int | None:
+    """The most ranks the engine's model can be spread over: its routed experts under expert
+    parallelism (each rank holds at least one); None when any size works."""
+    spec = getattr(engine.worker.runner.model, "spec", None)
+    if not engine.config.enable_expert_parallel or spec is None:
+        return None
+    return getattr(spec, "num_experts", None)
 
 
 def rank_device(config: EngineConfig) -> str:

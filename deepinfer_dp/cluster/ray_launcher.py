@@ -36,6 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deepinfer_dp.cluster.data_plane import RANK, ROUTER, cluster_key_for, role_key
+from deepinfer_dp.cluster.elastic import ScaleError
 from deepinfer_dp.cluster.rank_actor import RankSpec, rank_device
 from deepinfer_dp.cluster.router_actor import RouterActor, process_exists
 from deepinfer_dp.config import EngineConfig
@@ -231,6 +232,28 @@ class RayDeployment:
     def spare_pid(self, timeout_s: float = START_TIMEOUT_S) -> int | None:
         """The spare rank's process once it is warm, if there is one (tests, fault drills)."""
         return ray.get(self.router.spare_pid.remote(timeout_s), timeout=timeout_s + STOP_TIMEOUT_S)
+
+    def scale(self, new_size: int, drain_timeout_s: float) -> dict:
+        """Grows or shrinks the DP group to `new_size` ranks while it serves (cluster/elastic.py);
+        what it did once done. Raises ScaleError: 400 (a bad size), 409 (a change is already
+        in progress), 503 (it failed)."""
+        started = ray.get(self.router.start_scale.remote(new_size, drain_timeout_s), timeout=STOP_TIMEOUT_S)
+        if started["status"] != 202:
+            raise ScaleError(started["status"], started["message"])
+        deadline = time.monotonic() + drain_timeout_s + START_TIMEOUT_S + 2 * STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            state = ray.get(self.router.scale_state.remote(started["id"]), timeout=STOP_TIMEOUT_S)
+            if state["result"] is not None:
+                if state["result"]["status"] != 200:
+                    raise ScaleError(state["result"]["status"], state["result"]["message"])
+                return {k: v for k, v in state["result"].items() if k != "status"}
+            if not state["known"]:  # a router that took over knows nothing of the change
+                raise ScaleError(503, "the router process restarted while the group changed size")
+            time.sleep(0.2)
+        raise ScaleError(503, "the change of the group's size did not finish in time")
+
+    def is_scaling(self) -> bool:
+        return bool(ray.get(self.router.scale_state.remote(), timeout=STOP_TIMEOUT_S)["scaling"])
 
     def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stops the ranks, the router and (if this process started it) the private Ray

@@ -5,6 +5,8 @@ It owns, each in a file of its own:
   - sharding: a RoutingPolicy picks the rank of each request (cluster/policies.py);
   - waves: waking the other ranks so that all step together (cluster/waves.py);
   - membership: health checks, a dead or stuck rank, re-forming the group (cluster/membership.py);
+  - scaling the group up and down while it serves (cluster/elastic.py), and moving a leaving
+    rank's requests to a staying one by recompute (cluster/migration.py);
   - the stats RPC (cluster/stats_rpc.py).
 This file holds the sockets, the request table and the loop that dispatches the messages.
 
@@ -26,12 +28,15 @@ import zmq
 
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import CLIENT, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.elastic import ElasticScaler
 from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
+from deepinfer_dp.cluster.migration import RequestLog
 from deepinfer_dp.cluster.policies import RoutingPolicy, image_digests, make_policy
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.config_file import RouterSection
+from deepinfer_dp.engine.client import TokenDelta
 
 logger = logging.getLogger(__name__)
 CLIENT_TIMEOUT_S = 30.0
@@ -69,6 +74,8 @@ class Router:
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
         self._requests: dict[str, tuple[str, int]] = {}  # request id -> (client id, dp rank)
+        self.log = RequestLog()  # what moving a request to another rank needs (cluster/migration.py)
+        self.elastic = ElasticScaler(self, self._lock, settings.collective_timeout_s)
         self._health_interval_s = health_interval_s
         self._client_timeout_s = client_timeout_s
         self._health_kick = threading.Event()  # set on GroupBroken: check the ranks now
@@ -144,7 +151,8 @@ class Router:
             self.stats.start(msg.client_id, msg.query_id, self.membership.up())
         elif isinstance(msg, p.HealthQuery):
             self._to_client(msg.client_id, p.HealthReply(msg.query_id, self.membership.health(),
-                                                         self.membership.group_failures, self.router_id))
+                                                         self.membership.group_failures, self.router_id,
+                                                         self.elastic.state()))
         elif isinstance(msg, p.Goodbye):
             self._drop_client(msg.client_id)
 
@@ -155,9 +163,10 @@ class Router:
         self._clients[msg.client_id] = _Client(self._plane.connected(zmq.PUSH, msg.address, CLIENT, SNDHWM=0))
 
     def _dispatch(self, msg: p.AddRequest, client: _Client) -> None:
-        """Sharding: the policy picks a rank among those up; the others are woken."""
+        """Sharding: the policy picks a rank among those up and not leaving the group; the
+        others are woken."""
         rid = msg.request_id
-        up = self.membership.up()
+        up = self.membership.accepting()
         if not up:
             reasons = "; ".join(r.down_reason for r in self.membership.ranks)
             self._to_client(msg.client_id, p.RequestError(rid, "no_capacity", f"no DP rank is up: {reasons}"))
@@ -168,12 +177,48 @@ class Router:
         load = {r.dp_rank: len(r.inflight) for r in up}
         images = image_digests(msg.mm.images) if msg.mm is not None else ()
         rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load, images)]
-        self.membership.work_arrives()
-        self._requests[rid] = (msg.client_id, rank.dp_rank)
         client.requests.add(rid)
-        rank.inflight.add(rid)
+        self.log.add(msg)
+        self.send_to(rank, msg)
+
+    def send_to(self, rank: RankHandle, msg: p.AddRequest) -> None:
+        """Sends a request to `rank` and wakes the others. Under the lock."""
+        self.membership.work_arrives()
+        self._requests[msg.request_id] = (msg.client_id, rank.dp_rank)
+        rank.inflight.add(msg.request_id)
         rank.send(msg)
         self.waves.wake_others(rank, self.membership.ranks)
+
+    def take_off(self, request_id: str) -> p.AddRequest | None:
+        """Takes a running request off its rank (which leaves the group) and returns what
+        continues it elsewhere by recompute, for send_to (cluster/migration.py); the old rank's
+        later deltas for it are dropped (_deliver takes a request's deltas only from the rank
+        it is on). One that cannot move fails with the reason (None). Under the lock."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return None
+        old = self.membership.ranks[entry[1]]
+        old.inflight.discard(request_id)
+        try:
+            moved = self.log.resubmission(request_id)
+        except ValueError as e:
+            self._forget(request_id)
+            self._to_client(entry[0], p.RequestError(request_id, "rank_failed", f"{e}; DP rank {old.dp_rank} "
+                                                     "left the group before it finished"))
+            return None
+        if moved is None:
+            self._forget(request_id)  # every token delivered, only the finish was still to come
+            self._to_client(entry[0], p.Deltas(old.dp_rank, [TokenDelta(request_id, [], True, "length",
+                                                                        dp_rank=old.dp_rank)]))
+            return None
+        self._requests[request_id] = (entry[0], -1)  # on no rank until send_to
+        return moved
+
+    def scale(self, new_size: int, drain_timeout_s: float) -> dict:
+        """Grows or shrinks the DP group to `new_size` ranks while serving (cluster/elastic.py);
+        blocks until done. Raises ScaleError (its status: 400, 409, 503)."""
+        self.elastic.begin(new_size)
+        return self.elastic.run(new_size, drain_timeout_s)
 
     def _abort(self, client_id: str, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = defaultdict(list)
@@ -182,7 +227,7 @@ class Router:
             if entry is not None and entry[0] == client_id:
                 by_rank[entry[1]].append(rid)
         for dp_rank, rids in by_rank.items():
-            if self.membership.ranks[dp_rank].up:
+            if 0 <= dp_rank < len(self.membership.ranks) and self.membership.ranks[dp_rank].up:
                 self.membership.ranks[dp_rank].send(p.Abort(rids))
 
     # ---- from the ranks ----------------------------------------------------------------------
@@ -202,6 +247,8 @@ class Router:
                 self._to_client(entry[0], p.RequestError(msg.request_id, "rejected", msg.message))
         elif isinstance(msg, p.Stats):
             self.stats.on_stats(msg)
+        elif isinstance(msg, p.Reformed):
+            self.membership.reformed(msg)
         elif isinstance(msg, p.GroupBroken):
             self._fail_lost(msg)
             if self.membership.group_broken(msg):
@@ -211,6 +258,8 @@ class Router:
         """Requests a failed MoE step took down are failed even while a re-form is under way
         (their rank will never report them)."""
         for rid in msg.request_ids:
+            if self._requests.get(rid, ("", msg.dp_rank))[1] != msg.dp_rank:
+                continue  # moved to another rank before this one lost it
             entry = self._forget(rid)
             if entry is not None:
                 self._to_client(entry[0], p.RequestError(
@@ -222,18 +271,24 @@ class Router:
         aborted on its rank."""
         per_client: dict[str, list] = defaultdict(list)
         unknown = []
+        as_sent = True  # every delta goes on unchanged
         for delta in msg.deltas:
             entry = self._requests.get(delta.request_id)
             if entry is None:
                 if not delta.finished:
                     unknown.append(delta.request_id)
                 continue
+            if entry[1] != msg.dp_rank:
+                as_sent = False
+                continue  # from the rank a migrated request left: its new rank continues it
+            shown = self.log.delivered(delta)
+            as_sent = as_sent and shown is delta
             if delta.finished:
                 self._forget(delta.request_id)
-            per_client[entry[0]].append(delta)
+            per_client[entry[0]].append(shown)
         if unknown and 0 <= msg.dp_rank < len(self.membership.ranks) and self.membership.ranks[msg.dp_rank].up:
             self.membership.ranks[msg.dp_rank].send(p.Abort(unknown))
-        if len(per_client) == 1 and sum(map(len, per_client.values())) == len(msg.deltas):
+        if as_sent and len(per_client) == 1 and sum(map(len, per_client.values())) == len(msg.deltas):
             client_id = next(iter(per_client))  # the common case: pass the message on as it came
             self._to_client_raw(client_id, raw)
             return
@@ -243,11 +298,13 @@ class Router:
     # ---- bookkeeping -------------------------------------------------------------------------
     def _forget(self, request_id: str) -> tuple[str, int] | None:
         entry = self._requests.pop(request_id, None)
+        self.log.forget(request_id)
         if entry is not None:
             client = self._clients.get(entry[0])
             if client is not None:
                 client.requests.discard(request_id)
-            self.membership.ranks[entry[1]].inflight.discard(request_id)
+            if 0 <= entry[1] < len(self.membership.ranks):
+                self.membership.ranks[entry[1]].inflight.discard(request_id)
         return entry
 
     def _fail_requests_of(self, rank: RankHandle, reason: str) -> None:

@@ -19,6 +19,7 @@ from deepinfer_dp.config_file import RouterSection
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # model load on a restarted rank, GGUF conversion on a cold cache included
+STOP_TIMEOUT_S = 10.0  # a rank leaving a shrinking group: its engine stopped and group destroyed
 
 
 class RouterActor:
@@ -46,6 +47,7 @@ class RouterActor:
         self.spare = None  # a warm rank process that replaces the next dead rank (RankSpec.create_spare)
         self._spare_warm = None  # its RankActor.warm call: the process id once its imports are done
         self._spare_lock = threading.Lock()  # two ranks may die, and restart, at once
+        self._scale_results: dict[int, dict] = {}  # each change's outcome by its id (start_scale)
 
     def addresses(self) -> dict:
         return {"frontend": self.router.frontend_address, "backend": self.router.backend_address,
@@ -54,6 +56,7 @@ class RouterActor:
 
     def attach_ranks(self, spec: RankSpec, infos: list[dict], actors: list) -> None:
         self.spec, self.infos, self.actors = spec, list(infos), list(actors)
+        self.router.elastic.max_size = infos[0].get("max_group_size")
         self.router.attach_ranks([i["address"] for i in infos], liveness=self)
         self.router.start()
         with self._spare_lock:
@@ -85,6 +88,7 @@ class RouterActor:
                     ray.kill(spare, no_restart=True)
             self._new_spare()
         up = [info["pid"] >= 0 for info in infos]
+        self.router.elastic.max_size = next((i.get("max_group_size") for i in infos if i["pid"] >= 0), None)
         logger.warning("router restarted: ranks up %s", up)
         self.router.attach_ranks([i["address"] for i in infos], liveness=self, up=up,
                                  wave=max(i["wave"] for i in infos))
@@ -113,6 +117,8 @@ class RouterActor:
         return list(self.infos)
 
     def alive(self, dp_rank: int) -> bool:
+        if dp_rank >= len(self.infos):
+            return True  # the group shrank past it while the health check ran: not a failure
         info = self.infos[dp_rank]
         if info["pid"] < 0:
             return False  # lost while the router restarted
@@ -124,7 +130,8 @@ class RouterActor:
             return False
 
     def kill(self, dp_rank: int) -> None:
-        ray.kill(self.actors[dp_rank], no_restart=True)
+        if dp_rank < len(self.actors):  # else the group shrank past it and stopped it
+            ray.kill(self.actors[dp_rank], no_restart=True)
 
     def restart(self, dp_rank: int) -> str:
         """The warm spare, or else a new rank actor in the dead one's bundle, loaded and serving
@@ -136,11 +143,11 @@ class RouterActor:
         info = None
         if spare is not None:
             try:
-                info = self._serving(dp_rank, spare, spare.take_over.remote(dp_rank, *args))
+                info = self._serving(dp_rank, spare, spare.take_over.remote(dp_rank, *args, len(self.actors)))
             except ray.exceptions.RayActorError:  # the spare itself died: a new process then
                 logger.exception("DP rank %d: the spare rank process is gone; starting a new one", dp_rank)
         if info is None:
-            actor = self.spec.create(dp_rank)
+            actor = self.spec.create(dp_rank, len(self.actors))
             info = self._serving(dp_rank, actor, actor.rejoin.remote(*args))
         with self._spare_lock:
             if self.spare is None:
@@ -160,6 +167,79 @@ class RouterActor:
 
     def stop(self) -> None:
         self.router.close()
+
+    # ---- elastic scaling (cluster/elastic.py) ----------------------------------------------
+    def start_scale(self, new_size: int, drain_timeout_s: float) -> dict:
+        """Starts a change of the group's size on a thread of this process (a Ray call must not
+        block the actor for minutes); {"status": 202, "id"}, or the refusal's status and
+        message. scale_state(id) tells when it is done."""
+        from deepinfer_dp.cluster.elastic import ScaleError
+
+        try:
+            self.router.elastic.begin(new_size)
+        except ScaleError as e:
+            return {"status": e.status, "message": str(e)}
+        change = len(self._scale_results)  # an id per change: a later one must not answer for it
+        self._scale_results[change] = {}
+        threading.Thread(target=self._scale, args=(change, new_size, drain_timeout_s), name="elastic-scale",
+                         daemon=True).start()
+        return {"status": 202, "id": change}
+
+    def _scale(self, change: int, new_size: int, drain_timeout_s: float) -> None:
+        from deepinfer_dp.cluster.elastic import ScaleError
+
+        try:
+            self._scale_results[change] = {"status": 200, **self.router.elastic.run(new_size, drain_timeout_s)}
+        except ScaleError as e:
+            self._scale_results[change] = {"status": e.status, "message": str(e)}
+
+    def scale_state(self, change: int | None = None) -> dict:
+        """{"scaling": bool, "known": whether this router started change `change` (one that took
+        over after a restart did not), "result": its outcome (None while it runs)}."""
+        return {"scaling": self.router.elastic.scaling, "known": change in self._scale_results,
+                "result": self._scale_results.get(change) or None}
+
+    def start_ranks(self, dp_ranks: list[int], world_size: int) -> list[str]:
+        """New ranks `dp_ranks` of a group growing to `world_size` (the warm spare first), each
+        loaded and serving with no group; their addresses. On a failure the ones started are
+        stopped and it raises."""
+        with self._spare_lock:
+            spare, self.spare = self.spare, None
+        args = (self.router.backend_address, self.spec.timeout_s, self.spec.host)
+        actors, calls = [], []
+        for i in dp_ranks:
+            actor = spare if spare is not None and not actors else self.spec.create(i, world_size)
+            actors.append(actor)
+            calls.append(actor.take_over.remote(i, *args, world_size))
+        try:
+            infos = ray.get(calls, timeout=START_TIMEOUT_S)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise
+        finally:
+            with self._spare_lock:
+                if self.spare is None:
+                    self._new_spare()
+        self.actors += actors  # before the membership has them: alive() and kill() find them
+        self.infos += infos
+        return [info["address"] for info in infos]
+
+    def stop_ranks(self, size: int) -> None:
+        """Stops the rank processes from dp_rank `size` on (the membership already told them to
+        shut down): each leaves its engine and group, then exits; a kill for one that does not."""
+        gone, self.actors, self.infos = self.actors[size:], self.actors[:size], self.infos[:size]
+        ray.wait([a.stop.remote(STOP_TIMEOUT_S) for a in gone], num_returns=len(gone), timeout=STOP_TIMEOUT_S)
+        for actor in gone:
+            actor.__ray_terminate__.remote()
+        for actor in gone:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=STOP_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                continue  # it exited
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+            ray.kill(actor, no_restart=True)  # still there: it did not exit in time
 
 
 

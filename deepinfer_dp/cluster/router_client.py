@@ -76,6 +76,7 @@ class RouterClient:
         self._router_id = ""  # the router process's, from its health replies
         self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
+        self.elastic_state: dict = {}  # the group's size and scale events, as of the last health reply
         self._stop = threading.Event()
         self._send(p.Hello(self.client_id, self._address))
         self._thread = threading.Thread(target=self._receive_loop, name="router-client", daemon=True)
@@ -212,6 +213,7 @@ class RouterClient:
         elif isinstance(msg, (p.StatsReply, p.HealthReply)):
             if isinstance(msg, p.HealthReply):
                 self._last_health, self.group_failures = msg.ranks, msg.group_failures
+                self.elastic_state = msg.elastic
                 self._check_router_id(msg.router_id)
             if msg.query_id >= 0:
                 with self._lock:

@@ -63,6 +63,19 @@ class LLM:
         Under torchrun this is a collective: call it on every rank."""
         return [self._loop.stats()] if self.dp is None else self.dp.rank_stats()
 
+    def scale_elastic_ep(self, new_data_parallel_size: int, drain_timeout: float = 300) -> dict:
+        """Grows or shrinks the DP group of `LLM(dp_size=N)` to `new_data_parallel_size` ranks
+        while it serves (another thread's generate goes on); the leaving ranks' requests get
+        `drain_timeout` seconds to finish, then move to the staying ranks by recompute.
+        Returns what it did; raises ScaleError (its `status`: 400, 409, 503)."""
+        from deepinfer_dp.cluster.dp_driver import DPDriver
+
+        if not isinstance(self.dp, DPDriver):
+            how = "under torchrun" if self.dp is not None else "at dp_size 1 (one engine in this process)"
+            raise RuntimeError(f"scale_elastic_ep needs the Ray DP deployment of LLM(dp_size=N > 1); this LLM "
+                               f"runs {how}, whose group cannot change size")
+        return self.dp.deployment.scale(new_data_parallel_size, drain_timeout)
+
     def shutdown(self) -> None:
         """Stops the engine's threads, the DP ranks (Ray actors) or the DP group (torchrun)."""
         (self.dp or self.llm_engine).shutdown()

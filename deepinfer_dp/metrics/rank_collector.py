@@ -119,9 +119,28 @@ class RankStatsCollector(Collector):
             restarts.add_metric([str(rank["dp_rank"])], float(rank.get("restarts", 0)))
         yield up
         yield restarts
+        yield from elastic_families(self.client)
         yield from drop_families(self.client)
         yield from moe_families(stats)
         yield from eplb_families(stats)
+
+
+def elastic_families(client: Any) -> Iterator[Metric]:
+    """The DP group's size and its changes (cluster/elastic.py), from the router's last health
+    reply (collect() just asked for one); none for an in-process engine."""
+    state = getattr(client, "elastic_state", None)
+    if not state:
+        return
+    size = GaugeMetricFamily(PREFIX + "dp_group_size", "DP ranks in the group (up or down), as the router "
+                             "scales it.", value=float(state["group_size"]))
+    events = CounterMetricFamily(PREFIX + "elastic_scale_events", "Changes of the DP group's size: up, down, "
+                                 "or failed (the group stayed as it was or the health check restores it).",
+                                 labels=["direction"])
+    for direction, n in sorted(state["scale_events"].items()):
+        events.add_metric([direction], float(n))
+    scaling = GaugeMetricFamily(PREFIX + "elastic_scaling", "1 while the DP group changes size, else 0.",
+                                value=1.0 if state["scaling"] else 0.0)
+    yield from (size, events, scaling)
 
 
 DROP_REASONS = {"malformed": "did not decode", "unauthorized": "a message its sender's role may not send",

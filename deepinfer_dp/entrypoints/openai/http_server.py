@@ -25,14 +25,16 @@ DEFAULT_PORT = ServerSection.model_fields["port"].default
 def run_server(client: EngineClient, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, metrics_port: int | None = None,
                sockets: list | None = None, limits: ServerLimits | None = None,
-               shutdown_grace_s: float = DEFAULT_GRACE_S, model_root: str | None = None) -> int:
+               shutdown_grace_s: float = DEFAULT_GRACE_S, model_root: str | None = None,
+               scaler=None) -> int:
     """Serves until interrupted (Ctrl-C): returns 0, or 1 when the engine died (the server
     then stops by itself, so a supervisor sees the process end and restarts it). /metrics is
     always on `port`; `metrics_port` serves the same registry on a port of its own too.
     `sockets`: already listening sockets to serve on (shared by several API servers).
     On SIGTERM/SIGINT requests in flight get `shutdown_grace_s` to finish, then end with a 503
-    error (entrypoints/openai/draining.py). `model_root`: the model argument (build_app)."""
-    app = build_app(client, served_model_name, api_key, limits, model_root)
+    error (entrypoints/openai/draining.py). `model_root`: the model argument, `scaler`: the DP
+    deployment with --enable-elastic-ep (build_app)."""
+    app = build_app(client, served_model_name, api_key, limits, model_root, scaler)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=app.state.ctx.metrics.exposed_registry())
     server = DrainingServer(server_config(app, host, port, limits, "info"), shutdown_grace_s,

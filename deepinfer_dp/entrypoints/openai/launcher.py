@@ -42,8 +42,8 @@ class ServerThread:
     def __init__(self, client: EngineClient, served_model_name: str | list[str] | None = None,
                  api_key: str | None = None,
                  host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits | None = None,
-                 model_root: str | None = None) -> None:
-        self.app = build_app(client, served_model_name, api_key, limits, model_root)
+                 model_root: str | None = None, scaler=None) -> None:
+        self.app = build_app(client, served_model_name, api_key, limits, model_root, scaler)
         self.server = uvicorn.Server(server_config(self.app, host, port, limits, "warning"))
         self.died = stop_when_the_engine_dies(client, self.server)
         self.host = host
@@ -150,20 +150,25 @@ def run_serve(args: argparse.Namespace) -> None:
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
+    if deployment.server.enable_elastic_ep and (deployment.dp_size < 2 or deployment.server.api_server_count > 1):
+        raise SystemExit("deepinfer-dp serve: --enable-elastic-ep needs dp_size > 1 over Ray (the router changes "
+                         "the group's size) and one API server (--api-server-count 1): it scales through the "
+                         "deployment this process started")
     if deployment.server.api_server_count > 1:
         raise SystemExit(run_api_servers(deployment, names, model_root(deployment.model)))
     if deployment.dp_size > 1:
         dp = make_dp_deployment(deployment.model, deployment.dp_size, names[0],
                                 dp_options=deployment.dp_settings(), **engine)
         client, stop = dp.router, dp.shutdown
+        scaler = dp if deployment.server.enable_elastic_ep else None
     else:
         client = make_local_client(deployment.model, names[0], **engine)
-        stop = client.shutdown
+        stop, scaler = client.shutdown, None
     server = deployment.server
     try:
         code = run_server(client, names, server.api_key, server.host, server.port, deployment.metrics.port,
                           limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s,
-                          model_root=model_root(deployment.model))
+                          model_root=model_root(deployment.model), scaler=scaler)
     finally:
         stop()
     if code:

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_dp.engine.client import EngineClient, EngineError
-from deepinfer_dp.entrypoints.openai import routes_utility, serving_chat, serving_completion
+from deepinfer_dp.entrypoints.openai import routes_elastic, routes_utility, serving_chat, serving_completion
 from deepinfer_dp.entrypoints.openai.admission import RETRY_AFTER_S, BodyLimit, QueueFull, ServerLimits
 from deepinfer_dp.entrypoints.openai.errors import error_response, validation_message
 from deepinfer_dp.entrypoints.openai.protocol import (
@@ -178,9 +178,10 @@ def _judged(rank: dict, stall_timeout_s: float) -> dict:
 
 def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None,
-              model_root: str | None = None) -> FastAPI:
+              model_root: str | None = None, scaler: routes_elastic.Scaler | None = None) -> FastAPI:
     """The app serving `client` under `served_model_name` (one name or several; the first is
-    the one answers carry); `model_root`, the model argument, is each /v1/models card's root."""
+    the one answers carry); `model_root`, the model argument, is each /v1/models card's root;
+    `scaler` (the DP deployment, with --enable-elastic-ep) serves the elastic EP routes."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [client.model_name]
     model_name = names[0]  # the name answers carry, as vLLM's first served name
@@ -236,6 +237,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
     def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    routes_elastic.install(app, scaler)  # /scale_elastic_ep, /is_scaling_elastic_ep
     routes_utility.install(app, v1)  # /v1/models/{id}, /tokenize, /version, /ping, /docs...
     app.include_router(v1)
     return app
