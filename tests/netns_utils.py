@@ -67,6 +67,18 @@ def leftover_processes(cluster_dir: Path) -> list[str]:
     return found
 
 
+def leftovers(cluster_ids: list[str], root: Path = Path("/tmp")) -> list[str]:
+    """What is left of these clusters: namespaces, processes naming their directory, the
+    directories themselves."""
+    found = []
+    for cid in cluster_ids:
+        cluster = NetnsCluster(cid, root=root)
+        found += [f"namespace {ns}" for ns in namespaces() if ns.startswith(cluster.ns(""))]
+        found += [f"process {p}" for p in leftover_processes(cluster.dir)]
+        found += [f"directory {cluster.dir}"] if cluster.dir.exists() else []
+    return found
+
+
 def in_netns(ns: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(*args) on a thread that entered namespace `ns`: the sockets it opens live there (an
     HTTP client on the bridge, without giving this process's own namespace a link to it).
@@ -234,7 +246,7 @@ class NetnsCluster:
         """Kills every process in the cluster's namespaces and deletes them (their links go with
         them) and the cluster's directory. Safe to call twice, or on a half-made cluster."""
         mine = [ns for ns in namespaces() if ns.startswith(f"{PREFIX}{self.id}-")]
-        for _ in range(50):  # a dying process may start no new one, but a fork in flight can land
+        for _ in range(50):  # a fork in flight can still land after a round of kills
             alive = [pid for ns in mine for pid in netns_pids(ns)]
             if not alive:
                 break
@@ -244,9 +256,12 @@ class NetnsCluster:
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)
+        alive = [pid for ns in mine for pid in netns_pids(ns)]
         for ns in mine:
             _ip("netns", "delete", ns, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if alive:
+            raise RuntimeError(f"processes {alive} of cluster {self.id} outlived 5 s of SIGKILL")
 
 
 def _main(argv: list[str]) -> int:
