@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,21 @@ from netns_utils import NetnsCluster, in_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
+
+
+def build_step_heavy_model(path: Path) -> str:
+    """A random Llama (with the tiny tokenizer) whose decode step takes milliseconds, not
+    tenths of one: a stream of a few hundred tokens then lasts seconds, long enough to still
+    be running when the test acts on it (/health's in-flight counts are up to a second old)."""
+    from model_utils import write_tiny_model
+    from transformers import LlamaConfig
+
+    def config(vocab_size: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                           rms_norm_eps=1e-5, initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+    return str(write_tiny_model(config, path))
 
 
 @contextlib.contextmanager
@@ -64,14 +80,10 @@ def wait_full_size(cluster: NetnsCluster, url: str) -> dict:
     return h
 
 
-def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int,
-             all_started: Callable[[], None] | None = None) -> list[dict]:
+def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int) -> list[dict]:
     """Greedy streams of `prompts`, all at once, from the head's namespace: each one's text,
-    finish reason, error event, whether [DONE] came and when it ended (monotonic).
-    `all_started` is called once every stream has its first token."""
-    started: set[int] = set()
-
-    async def one(client: httpx.AsyncClient, i: int, prompt: str) -> dict:
+    finish reason, error event, whether [DONE] came and when it ended (monotonic)."""
+    async def one(client: httpx.AsyncClient, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         got = {"text": "", "finish": None, "error": None, "done": False, "ended": None}
@@ -87,46 +99,62 @@ def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: in
                         continue
                     got["text"] += event["choices"][0]["text"]
                     got["finish"] = event["choices"][0]["finish_reason"] or got["finish"]
-                    if i not in started:
-                        started.add(i)
-                        if len(started) == len(prompts) and all_started is not None:
-                            all_started()
         got["ended"] = time.monotonic()
         return got
 
     async def run() -> list[dict]:
         async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*[one(client, i, p) for i, p in enumerate(prompts)])
+            return await asyncio.gather(*[one(client, p) for p in prompts])
 
     return in_netns(cluster.ns("head"), asyncio.run, run())
 
 
 def actors(cluster: NetnsCluster) -> list[dict]:
-    """The cluster's live actors as its GCS lists them (class, node address, pid), asked from
-    the head with the token."""
+    """The cluster's live actors as its GCS lists them (class, node address, pid)."""
+    return _ask_gcs(cluster, "[{'cls': a['ActorClassName'], 'ip': a['Address']['IPAddress'], 'pid': a['Pid']}"
+                             " for a in state.actors().values() if a['State'] == 'ALIVE']")
+
+
+def alive_nodes(cluster: NetnsCluster) -> list[str]:
+    """The addresses of the nodes the GCS holds alive."""
+    return _ask_gcs(cluster, "[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]")
+
+
+def _ask_gcs(cluster: NetnsCluster, expression: str):
+    """`expression` (over `ray` and `state`) evaluated by a driver on the head, with the token."""
     script = ("import json, ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR')\n"
               "from ray._private import state\n"
-              "print(json.dumps([{'cls': a['ActorClassName'], 'ip': a['Address']['IPAddress'], 'pid': a['Pid']}"
-              " for a in state.actors().values() if a['State'] == 'ALIVE']))")
+              f"print(json.dumps({expression}))")
     out = subprocess.run(["ip", "netns", "exec", cluster.ns("head"), sys.executable, "-c", script,
                           cluster.ray_address], capture_output=True, text=True, env=cluster.env(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int,
+                      action: Callable[[], None]) -> tuple[float, list[dict]]:
+    """Streams `prompts`; once the router holds every one of them in flight and every rank has
+    some (/health's `inflight`: the ranks are generating them), runs `action`. Returns when
+    it ran (monotonic) and the streams' results. (A client-side trigger, every stream's first
+    token, came too late on a loaded machine: a rank had finished its streams by then.)"""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, cluster, url, prompts, max_tokens)
+        while (h := health(cluster, url)) is None or not all(r["inflight"] for r in h["ranks"]) \
+                or sum(r["inflight"] for r in h["ranks"]) < len(prompts):
+            assert not running.done(), f"the streams ended before they were all in flight: {running.result()}"
+            time.sleep(0.05)
+        action()
+        acted = time.monotonic()
+        return acted, running.result()
+
+
 def lose_node_under_streams(cluster: NetnsCluster, url: str, node: str, prompts: list[str],
                             max_tokens: int) -> tuple[float, list[dict]]:
-    """Streams `prompts`; once every one has its first token, kills every process of `node`.
-    Returns when the kill happened (monotonic) and the streams' results."""
-    killed: list[float] = []
-
+    """act_under_streams with every process of `node` killed (SIGKILL) as the action."""
     def kill() -> None:
         assert cluster.kill_node(node), f"nothing ran on {node}"
-        killed.append(time.monotonic())
 
-    streams = complete(cluster, url, prompts, max_tokens, all_started=kill)
-    assert killed, f"the streams ended before they all started: {streams}"
-    return killed[0], streams
+    return act_under_streams(cluster, url, prompts, max_tokens, kill)
 
 
 def split_lost(streams: list[dict]) -> tuple[list[dict], list[dict]]:

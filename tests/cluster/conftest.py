@@ -27,3 +27,11 @@ def netns_cluster_ids():
     ids: list[str] = []
     yield ids
     assert leftovers(ids) == []
+
+
+@pytest.fixture(scope="session")
+def netns_model_dir(tmp_path_factory) -> str:
+    """The multi-node tests' model: slow enough a step that long streams last seconds."""
+    from netns_serve import build_step_heavy_model
+
+    return build_step_heavy_model(tmp_path_factory.getbasetemp() / "netns-llama")
