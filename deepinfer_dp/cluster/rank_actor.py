@@ -35,6 +35,7 @@ class RankActor:
         from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
 
         engine = self._load()  # load first: the group timeout should not count it
+        host = self._node_host(host)
         groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
                                 engine.device, timeout_s, JOIN_TIMEOUT_S)
         engine.join_dp_group(groups)
@@ -74,8 +75,7 @@ class RankActor:
     def _serve(self, engine, router_addr: str, timeout_s: float, host: str) -> dict:
         from deepinfer_dp.cluster.rank import RankServer
 
-        if host not in ("127.0.0.1", "localhost"):  # multi-node: bind this node's address
-            host = ray.util.get_node_ip_address()
+        host = self._node_host(host)
         server = RankServer(engine, self.dp_rank, router_addr, host, group_timeout_s=timeout_s, key=self.key)
         self._thread = threading.Thread(target=server.serve_or_exit, name=f"dp-rank-{self.dp_rank}", daemon=True)
         self._thread.start()
@@ -86,6 +86,18 @@ class RankActor:
                       "takes_images": engine.images is not None,
                       "max_group_size": _max_group_size(engine)}
         return self._info
+
+    @staticmethod
+    def _node_host(host: str) -> str:
+        """Where this rank listens: loopback on one machine; else this node's address, for the
+        data plane and for Gloo (whose groups a re-form makes later also listen there)."""
+        if host in ("127.0.0.1", "localhost"):
+            return host
+        from deepinfer_dp.distributed.groups import use_interface_of
+
+        address = ray.util.get_node_ip_address()
+        use_interface_of(address)
+        return address
 
     def info(self) -> dict | None:
         """What a restarted router needs of a serving rank: its dp_rank, wave and start() info
@@ -142,11 +154,13 @@ class RankSpec:
         It reserves nothing: it idles until it takes a dead rank's place, and then runs on the
         cores it binds (the dead rank's share; the dead rank's bundle stays reserved and
         unused). GPU ranks get no spare: Ray hands a GPU to an actor only at its creation, in
-        the dead rank's bundle."""
+        the dead rank's bundle. The affinity is strict: `node_id` is the router's node, the one
+        that must outlive the others anyway; a soft one let Ray put the spare on a worker node
+        while the head was starting processes, and it died with that node."""
         if not self.spare or self.gpus:
             return None
         return ray.remote(RankActor).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote({**self.config, "dp_rank": 0}, 0, self.dp_size, self.key)
 
 

@@ -79,6 +79,20 @@ def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: tor
     return _make_groups(rank, world_size, device, timeout_s, f"{host}:{port}")
 
 
+def use_interface_of(address: str) -> str:
+    """Makes this process's Gloo groups listen on the interface that holds `address`, and
+    returns its name. Gloo otherwise takes the address the machine's hostname resolves to,
+    which is often 127.0.0.1 (or, in a network namespace, an address of another stack): its
+    peers on other nodes would be told to connect there."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return name
+    raise ValueError(f"no network interface of this machine has the address {address}")
+
+
 def _wait_for_peers(store: dist.TCPStore, world_size: int, timeout_s: float) -> None:
     """Returns once every rank has reached the store, so that Gloo's rendezvous (bounded by
     the collective timeout) starts with all of them there."""

@@ -15,3 +15,23 @@ def dp1_token_ids(tiny_model_dir) -> list[list[int]]:
     ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.shutdown()
     return ids
+
+
+@pytest.fixture(scope="session")
+def netns_cluster_ids():
+    """The ids of the namespace clusters this session makes (tests/netns_utils.py): a test
+    module appends its own. At the end of the session none of them may have left a namespace,
+    a process or a Ray session directory behind."""
+    from netns_utils import leftovers
+
+    ids: list[str] = []
+    yield ids
+    assert leftovers(ids) == []
+
+
+@pytest.fixture(scope="session")
+def netns_model_dir(tmp_path_factory) -> str:
+    """The multi-node tests' model: slow enough a step that long streams last seconds."""
+    from netns_serve import build_step_heavy_model
+
+    return build_step_heavy_model(tmp_path_factory.getbasetemp() / "netns-llama")

@@ -66,13 +66,13 @@ def zmq_ports(procs: list[psutil.Process]) -> list[int]:
     ports = []
     for proc in procs:
         for c in proc.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and _greets_as_zmq(c.laddr.port):
+            if c.status == psutil.CONN_LISTEN and greets_as_zmq(c.laddr.port):
                 ports.append(c.laddr.port)
     return sorted(set(ports))
 
 
-def _greets_as_zmq(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+def greets_as_zmq(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.create_connection((host, port), timeout=2) as s:
         s.settimeout(1.0)
         got = b""
         try:
@@ -86,21 +86,21 @@ def _greets_as_zmq(port: int) -> bool:
     return len(got) == 10 and (got[0], got[9]) == ZMTP_SIGNATURE
 
 
-def attack(ports: list[int]) -> None:
+def attack(ports: list[int], host: str = "127.0.0.1") -> None:
     """One round on every port: raw TCP junk, then garbage and forged frames over a plain
     ZeroMQ socket and over CURVE with a key pair of its own (it cannot know the servers')."""
     ctx = zmq.Context()
     frames = [*garbage(), *(p.encoder.encode(m) for m in FORGED)]
     try:
         for port in ports:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            with socket.create_connection((host, port), timeout=2) as s:
                 s.sendall(os.urandom(4096))
             for curve in (False, True):
                 sock = ctx.socket(zmq.PUSH)
                 if curve:
                     sock.curve_serverkey = zmq.curve_keypair()[0]
                     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-                sock.connect(f"tcp://127.0.0.1:{port}")
+                sock.connect(f"tcp://{host}:{port}")
                 for frame in frames:
                     try:  # a peer refused at the handshake takes nothing: a blocking send would hang
                         sock.send(frame, zmq.NOBLOCK)
@@ -135,7 +135,7 @@ def _health_ok(url: str) -> bool:
     return r.status_code == 200 and r.json()["status"] == "ok" and not any(x["restarts"] for x in r.json()["ranks"])
 
 
-def _failed_handshakes(metrics: str) -> dict[str, float]:
+def failed_handshakes(metrics: str) -> dict[str, float]:
     """Connections whose handshake failed, by process, from a /metrics page."""
     found = {}
     for line in metrics.splitlines():
@@ -188,7 +188,7 @@ def test_garbage_and_forged_frames_on_every_port_change_nothing(tmp_path):
         assert sorted(q.pid for group in after.values() for q in group) == pids  # nothing died or restarted
         assert asyncio.run(streams(url)) == reference
         # /metrics counts the failed handshakes: the router's, the answering API server's, every rank's
-        failed = _failed_handshakes(httpx.get(url + "/metrics", timeout=30).text)
+        failed = failed_handshakes(httpx.get(url + "/metrics", timeout=30).text)
         assert failed["router"] > 0 and failed["client"] > 0, failed
         assert [failed[f"rank {r}"] > 0 for r in (0, 1)] == [True, True], failed
     finally:

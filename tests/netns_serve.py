@@ -1,0 +1,162 @@
+"""`deepinfer-dp serve` on the head of a NetnsCluster (tests/netns_utils.py), and the client
+side of the multi-node tests: health, greedy streams and the cluster's actors, each asked from
+inside a namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from netns_utils import NetnsCluster, in_netns
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
+
+
+def build_step_heavy_model(path: Path) -> str:
+    """A random Llama (with the tiny tokenizer) whose decode step takes milliseconds, not
+    tenths of one: a stream of a few hundred tokens then lasts seconds, long enough to still
+    be running when the test acts on it (/health's in-flight counts are up to a second old)."""
+    from model_utils import write_tiny_model
+    from transformers import LlamaConfig
+
+    def config(vocab_size: int) -> LlamaConfig:
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                           rms_norm_eps=1e-5, initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+    return str(write_tiny_model(config, path))
+
+
+@contextlib.contextmanager
+def serve_on_head(cluster: NetnsCluster, model_dir: str, *flags: str) -> Iterator[str]:
+    """configs/netns_tiny_dp2.yaml served from the head's namespace; its URL once /health says
+    ok. Stopped with SIGTERM afterwards (the cluster's down() kills anything left)."""
+    log = cluster.dir / "serve.log"
+    proc = cluster.popen("head", [sys.executable, "-m", "deepinfer_dp.entrypoints.openai.launcher", "--config",
+                                  str(CONFIG), "--model", model_dir, "--served-model-name", "tiny", *flags],
+                         log=log, env={**cluster.env(), "HF_HUB_OFFLINE": "1"})
+    url = f"http://{cluster.head.address}:8000"
+    try:
+        while (h := health(cluster, url)) is None or h["status"] != "ok":
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def health(cluster: NetnsCluster, url: str) -> dict | None:
+    """/health's JSON (None: nothing answers yet), asked from the head's namespace."""
+    def get() -> dict | None:
+        try:
+            return httpx.get(url + "/health", timeout=10).json()
+        except (httpx.TransportError, json.JSONDecodeError):
+            return None
+
+    return in_netns(cluster.ns("head"), get)
+
+
+def wait_full_size(cluster: NetnsCluster, url: str) -> dict:
+    """Polls /health until every rank is up again; its last answer."""
+    while (h := health(cluster, url)) is None or h["status"] != "ok" or not all(r["up"] for r in h["ranks"]):
+        time.sleep(0.2)
+    return h
+
+
+def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Greedy streams of `prompts`, all at once, from the head's namespace: each one's text,
+    finish reason, error event, whether [DONE] came and when it ended (monotonic)."""
+    async def one(client: httpx.AsyncClient, prompt: str) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        got = {"text": "", "finish": None, "error": None, "done": False, "ended": None}
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    got["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        got["error"] = event["error"]["message"]
+                        continue
+                    got["text"] += event["choices"][0]["text"]
+                    got["finish"] = event["choices"][0]["finish_reason"] or got["finish"]
+        got["ended"] = time.monotonic()
+        return got
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+
+    return in_netns(cluster.ns("head"), asyncio.run, run())
+
+
+def actors(cluster: NetnsCluster) -> list[dict]:
+    """The cluster's live actors as its GCS lists them (class, node address, pid)."""
+    return _ask_gcs(cluster, "[{'cls': a['ActorClassName'], 'ip': a['Address']['IPAddress'], 'pid': a['Pid']}"
+                             " for a in state.actors().values() if a['State'] == 'ALIVE']")
+
+
+def alive_nodes(cluster: NetnsCluster) -> list[str]:
+    """The addresses of the nodes the GCS holds alive."""
+    return _ask_gcs(cluster, "[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]")
+
+
+def _ask_gcs(cluster: NetnsCluster, expression: str):
+    """`expression` (over `ray` and `state`) evaluated by a driver on the head, with the token."""
+    script = ("import json, ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+              "from ray._private import state\n"
+              f"print(json.dumps({expression}))")
+    out = subprocess.run(["ip", "netns", "exec", cluster.ns("head"), sys.executable, "-c", script,
+                          cluster.ray_address], capture_output=True, text=True, env=cluster.env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int,
+                      action: Callable[[], None]) -> tuple[float, list[dict]]:
+    """Streams `prompts`; once the router holds every one of them in flight and every rank has
+    some (/health's `inflight`: the ranks are generating them), runs `action`. Returns when
+    it ran (monotonic) and the streams' results. (A client-side trigger, every stream's first
+    token, came too late on a loaded machine: a rank had finished its streams by then.)"""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, cluster, url, prompts, max_tokens)
+        while (h := health(cluster, url)) is None or not all(r["inflight"] for r in h["ranks"]) \
+                or sum(r["inflight"] for r in h["ranks"]) < len(prompts):
+            assert not running.done(), f"the streams ended before they were all in flight: {running.result()}"
+            time.sleep(0.05)
+        action()
+        acted = time.monotonic()
+        return acted, running.result()
+
+
+def lose_node_under_streams(cluster: NetnsCluster, url: str, node: str, prompts: list[str],
+                            max_tokens: int) -> tuple[float, list[dict]]:
+    """act_under_streams with every process of `node` killed (SIGKILL) as the action."""
+    def kill() -> None:
+        assert cluster.kill_node(node), f"nothing ran on {node}"
+
+    return act_under_streams(cluster, url, prompts, max_tokens, kill)
+
+
+def split_lost(streams: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the streams that ended with an error event, the others)."""
+    return [s for s in streams if s["error"] is not None], [s for s in streams if s["error"] is None]
