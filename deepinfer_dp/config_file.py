@@ -38,7 +38,7 @@ class _Section(BaseModel):
 
 
 class RouterSection(_Section):
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = Field(
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity", "cache_aware"] = Field(
         "round_robin", description="how the router picks a rank for a request")
     collective_timeout_s: float = Field(30.0, gt=0, description="timeout of the lockstep vote; a rank "
                                                                 "silent this long is declared dead")
