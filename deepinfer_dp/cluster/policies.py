@@ -52,7 +52,8 @@ class CacheAware:
     blocks of the prompts it sent there, least recently used dropped past `capacity_blocks`)
     and sends a request to the rank holding the longest cached prefix of its prompt when that
     prefix is at least `cache_threshold` of the prompt; a prompt no rank has goes to the least
-    loaded rank (ties: the one caching the least, so new prefixes spread over the caches).
+    loaded rank (ties in turn, so that a burst of new prefixes spreads over the ranks; SGLang
+    picks the rank caching the least instead).
     When the load is out of balance (the busiest rank more than `balance_abs_threshold`
     requests above the idlest and more than `balance_rel_threshold` times it), the least
     loaded rank gets the request whatever it caches. A rank missing from `load` is down: its
@@ -66,6 +67,7 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.capacity_blocks = capacity_blocks
         self._cached: dict[int, OrderedDict[int, None]] = {}  # rank -> block hashes, oldest first
+        self._turns = itertools.count()
 
     def choose(self, prompt_token_ids: list[int], load: dict[int, int]) -> int:
         for gone in set(self._cached) - set(load):
@@ -83,7 +85,8 @@ class CacheAware:
         best = max(matched, key=lambda r: (matched[r], -load[r]))
         if prompt_len and matched[best] * self.block_size >= self.cache_threshold * prompt_len:
             return best
-        return min(sorted(load), key=lambda r: (load[r], len(self._cached.get(r, ()))))
+        ranks, turn = sorted(load), next(self._turns)  # ties go round, as round robin does
+        return min(ranks, key=lambda r: (load[r], (ranks.index(r) - turn) % len(ranks)))
 
     def _block_hashes(self, prompt_token_ids: list[int]) -> list[int]:
         """One hash per full block, each chained to the ones before it (as the prefix cache's)."""

@@ -34,7 +34,7 @@ def test_cache_aware_sends_a_cached_prefix_home_and_spreads_new_ones():
     policy = CacheAware(block_size=8, cache_threshold=0.5, balance_abs_threshold=3)
     idle = {0: 0, 1: 0}
     first = policy.choose(_prompt(0, 0), idle)
-    second = policy.choose(_prompt(1, 0), idle)  # nothing cached anywhere: the emptier cache
+    second = policy.choose(_prompt(1, 0), idle)  # not cached anywhere: equal loads take turns
     assert {first, second} == {0, 1}
     # a cached system prompt wins over load, up to the threshold
     assert [policy.choose(_prompt(0, u), {first: 2, second: 0}) for u in range(1, 4)] == [first] * 3
@@ -42,6 +42,15 @@ def test_cache_aware_sends_a_cached_prefix_home_and_spreads_new_ones():
     # a prompt too short to match a whole block, or matching under cache_threshold: least loaded
     assert policy.choose([1000] * 7, {first: 1, second: 0}) == second
     assert policy.choose([1000] * 8 + [7] * 40, {first: 1, second: 0}) == second
+
+
+def test_cache_aware_spreads_uncached_prompts_like_round_robin():
+    policy, load, picks = CacheAware(block_size=8), {0: 0, 1: 0}, []
+    for i in range(6):  # a burst: each request still in flight when the next comes
+        picks.append(policy.choose([10 + i] * 3, load))
+        load[picks[-1]] += 1
+    assert picks == [0, 1, 0, 1, 0, 1]
+    assert [policy.choose([10 + i] * 3, {0: 0, 1: 0}) for i in range(4)] == [0, 1, 0, 1]  # one at a time
 
 
 def test_cache_aware_balances_when_the_load_is_out_of_both_thresholds():
@@ -62,8 +71,10 @@ def test_cache_aware_forgets_a_rank_that_went_down_and_its_oldest_blocks():
     policy.choose(_prompt(1, 0), {home: 0})  # 5 blocks more on `home`: the oldest (system prompt 0) go
     assert policy._matched_blocks(home, policy._block_hashes(_prompt(0, 2))) == 0
     assert policy._matched_blocks(home, policy._block_hashes(_prompt(1, 1))) == 4
-    other = policy.choose(_prompt(2, 0), {0: 0, 1: 0})  # back up, empty: a new prefix goes there
-    assert other != home
+    other = 1 - home
+    assert policy.choose(_prompt(1, 2), {home: 0, other: 0}) == home  # back up: home still has it
+    assert policy.choose(_prompt(2, 0), {home: 1, other: 0}) == other  # a new prefix: least loaded
+    assert policy._matched_blocks(other, policy._block_hashes(_prompt(2, 1))) == 4
     policy.choose(_prompt(3, 0), {home: 0})  # `other` is down again: its picture is dropped
     assert policy._cached.get(other) is None
 
