@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import time
 
@@ -27,7 +28,7 @@ def _api_server(sock: socket.socket, frontend: str, key) -> None:
         client.close()
 
 
-def _load(url: str, concurrency: int, start, results) -> None:
+def _load(url: str, concurrency: int, ready, start, results) -> None:
     import httpx
 
     async def worker(http: httpx.AsyncClient, deadline: float, counts: dict) -> None:
@@ -43,7 +44,14 @@ def _load(url: str, concurrency: int, start, results) -> None:
         counts = {"ok": 0, "failed": 0}
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(timeout=30, limits=limits) as http:
-            await http.get(url + "/v1/models")
+            while True:  # the API servers may still be starting
+                try:
+                    if (await http.get(url + "/v1/models")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.5)
+            ready.put(os.getpid())
             start.wait()
             t0 = time.perf_counter()
             await asyncio.gather(*(worker(http, t0 + SECONDS, counts) for _ in range(concurrency)))
@@ -64,15 +72,17 @@ def run_http(servers: int, args: argparse.Namespace) -> dict:
     ctx = cluster.ctx
     api = [ctx.Process(target=_api_server, args=(sock, cluster.router.frontend_address, cluster.client_key()))
            for _ in range(servers)]
-    start, results = ctx.Event(), ctx.Queue()
+    ready, start, results = ctx.Queue(), ctx.Event(), ctx.Queue()
     try:
         for p in api:
             p.start()
-        loads = [ctx.Process(target=_load, args=(url, args.concurrency, start, results))
+        loads = [ctx.Process(target=_load, args=(url, args.concurrency, ready, start, results))
                  for _ in range(args.load_procs)]
         for p in loads:
             p.start()
-        time.sleep(8.0)  # imports, the servers' start and the loads' first request
+        for _ in loads:
+            ready.get(timeout=300)
+        time.sleep(2.0)  # every API server process has started (the loads saw one answer)
         api_cpu0, router_cpu0, t0 = [cpu_s(p.pid) for p in api], time.process_time(), time.perf_counter()
         start.set()
         got = [results.get(timeout=120) for _ in loads]
