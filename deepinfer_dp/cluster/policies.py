@@ -60,7 +60,7 @@ class CacheAware:
     picture is dropped, since a rank that returns starts with an empty cache."""
 
     def __init__(self, block_size: int = 16, cache_threshold: float = 0.3, balance_abs_threshold: int = 8,
-                 balance_rel_threshold: float = 1.5, capacity_blocks: int = 1 << 16) -> None:
+                 balance_rel_threshold: float = 1.5, capacity_blocks: int = 1 << 14) -> None:
         self.block_size = block_size
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
