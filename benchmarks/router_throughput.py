@@ -115,7 +115,8 @@ class Cluster:
         self.router.attach_ranks(addresses.get(timeout=120), FakeLiveness())
         self.router.start()
 
-    def client_key(self):
+    def client_key(self) -> object:
+        """The data plane's key as a client process gets it."""
         from deepinfer_dp.cluster.data_plane import CLIENT
 
         return self.key.for_role(CLIENT)

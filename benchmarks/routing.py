@@ -29,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -78,7 +79,7 @@ class Timings:
         self.left = n
         self.all_done = threading.Event()
 
-    def sink(self, i: int):
+    def sink(self, i: int) -> Callable[[object], None]:
         def on_item(item) -> None:
             now = time.perf_counter()
             if isinstance(item, Exception):
