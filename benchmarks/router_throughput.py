@@ -7,7 +7,8 @@ figures are the ceiling of the control path, with no model behind it.
 
   router:  --clients processes, each a RouterClient that keeps --window requests in flight,
            send --requests requests through the router (no HTTP); --ranks fake ranks, each
-           answering with --tokens deltas of one token (one message each);
+           answering with --tokens deltas of one token (one message each); with --waves
+           each request is a wave of its own (the router wakes every other rank for it);
   http:    --api-servers API server processes (the real app, build_app over a RouterClient,
            sharing one listening socket as `serve --api-server-count` does) take non-streamed
            /v1/completions (max_tokens 1) from --load-procs processes of --concurrency
@@ -18,7 +19,7 @@ This machine has 2 cores shared with other work: every process here competes for
 the rates are lower bounds (the CPU time per request is the steadier figure); each
 configuration runs --repeats times, interleaved, and the spread is printed.
 
-    python benchmarks/router_throughput.py router [--ranks 2 8 64] [--clients 1 2] [--tokens 1 8]
+    python benchmarks/router_throughput.py router [--ranks 2 8 64] [--clients 1 2] [--tokens 1 8] [--waves]
     python benchmarks/router_throughput.py http [--api-servers 1 2]
 """
 
@@ -41,10 +42,12 @@ from harness import in_turn  # noqa: E402
 VOCAB = 400  # the tiny test tokenizer's; FakeRank answers token 100 + its rank
 
 
-def _fake_ranks(backend: str, key, count: int, tokens: int, addresses, stop) -> None:
+def _fake_ranks(backend: str, key, count: int, tokens: int, waves: bool, addresses, stop) -> None:
     from router_utils import FakeRank
 
     ranks = [FakeRank(i, backend, num_tokens=tokens, key=key) for i in range(count)]
+    for r in ranks:
+        r.waves = waves
     addresses.put([r.address for r in ranks])
     stop.wait()
     for r in ranks:
@@ -95,9 +98,9 @@ def cpu_s(pid: int) -> float:
 
 class Cluster:
     """The Router in this process and `ranks` fake ranks in a child process, each answering a
-    request with `tokens` deltas (one message each)."""
+    request with `tokens` deltas (one message each), as a wave of its own if `waves`."""
 
-    def __init__(self, ranks: int, policy: str, tokens: int = 1) -> None:
+    def __init__(self, ranks: int, policy: str, tokens: int = 1, waves: bool = False) -> None:
         from router_utils import FakeLiveness
 
         from deepinfer_dp.cluster.data_plane import RANK, ROUTER, ClusterKey
@@ -108,9 +111,9 @@ class Cluster:
         self.key = ClusterKey.generate()
         self.router = Router(RouterSection(max_rank_restarts=0, policy=policy), key=self.key.for_role(ROUTER))
         addresses, self.stop = self.ctx.Queue(), self.ctx.Event()
-        self.ranks = self.ctx.Process(target=_fake_ranks, args=(self.router.backend_address,
-                                                                self.key.for_role(RANK), ranks, tokens, addresses,
-                                                                self.stop))
+        rank_args = (self.router.backend_address, self.key.for_role(RANK), ranks, tokens, waves, addresses,
+                     self.stop)
+        self.ranks = self.ctx.Process(target=_fake_ranks, args=rank_args)
         self.ranks.start()
         self.router.attach_ranks(addresses.get(timeout=120), FakeLiveness())
         self.router.start()
@@ -128,7 +131,7 @@ class Cluster:
 
 
 def run_router(ranks: int, clients: int, tokens: int, args: argparse.Namespace) -> dict:
-    cluster = Cluster(ranks, args.policy, tokens)
+    cluster = Cluster(ranks, args.policy, tokens, args.waves)
     try:
         ready, start, results = cluster.ctx.Queue(), cluster.ctx.Event(), cluster.ctx.Queue()
         each = args.requests // clients
@@ -164,6 +167,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="deltas (messages) per request")
+    ap.add_argument("--waves", action="store_true", help="each request a wave of its own (StartWave, "
+                                                         "Wake to every other rank, WaveDone)")
     ap.add_argument("--api-servers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--requests", type=int, default=6000)
     ap.add_argument("--window", type=int, default=256, help="requests in flight per client")
