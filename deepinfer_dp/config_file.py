@@ -38,8 +38,9 @@ class _Section(BaseModel):
 
 
 class RouterSection(_Section):
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = Field(
-        "round_robin", description="how the router picks a rank for a request")
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity", "cache_aware"] = Field(
+        "cache_aware", description="how the router picks a rank for a request (docs/data_parallel.md, "
+                                   "\"Routing policies\")")
     collective_timeout_s: float = Field(30.0, gt=0, description="timeout of the lockstep vote; a rank "
                                                                 "silent this long is declared dead")
     max_rank_restarts: int = Field(3, ge=0, description="times a dead DP rank is restarted (a new process "

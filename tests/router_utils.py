@@ -17,14 +17,17 @@ from deepinfer_dp.engine.client import TokenDelta
 class FakeRank:
     """Answers AddRequest with `num_tokens` deltas (token = 100 + dp_rank), unless `hold` is
     set (the request then stays in flight); Abort with an abort delta; StatsQuery with
-    {"fake": dp_rank} unless `mute`; Reform with Reformed. Every message received is kept in
-    `received`."""
+    {"fake": dp_rank} unless `mute`; Reform with Reformed. With `waves` set, each request is a
+    wave of its own: StartWave before its deltas, WaveDone after. Every message received is kept
+    in `received`."""
 
     def __init__(self, dp_rank: int, backend: str, num_tokens: int = 3, key: ClusterKey | None = None) -> None:
         self.dp_rank = dp_rank
         self.num_tokens = num_tokens
         self.hold = False
         self.mute = False
+        self.waves = False
+        self._wave = 0  # the latest wave this rank heard of
         self.received: queue.Queue = queue.Queue()
         self._plane = DataPlane(key, RANK)
         self._inbox = self._plane.bound(zmq.PULL, "127.0.0.1", (ROUTER,))
@@ -53,11 +56,10 @@ class FakeRank:
                 continue
             msg = p.rank_decoder.decode(self._inbox.recv())
             self.received.put(msg)
-            if isinstance(msg, p.AddRequest) and not self.hold:
-                for i in range(self.num_tokens):
-                    last = i == self.num_tokens - 1
-                    self.send(p.Deltas(self.dp_rank, [TokenDelta(msg.request_id, [100 + self.dp_rank], last,
-                                                                 "length" if last else None, dp_rank=self.dp_rank)]))
+            if isinstance(msg, p.Wake):
+                self._wave = max(self._wave, msg.wave)
+            elif isinstance(msg, p.AddRequest) and not self.hold:
+                self._answer(msg)
             elif isinstance(msg, p.Abort):
                 self.send(p.Deltas(self.dp_rank, [TokenDelta(r, [], True, "abort", dp_rank=self.dp_rank)
                                                   for r in msg.request_ids]))
@@ -65,6 +67,17 @@ class FakeRank:
                 self.send(p.Reformed(self.dp_rank, msg.wave))
             elif isinstance(msg, p.StatsQuery) and not self.mute:
                 self.send(p.Stats(self.dp_rank, msg.query_id, {"dp_rank": self.dp_rank, "fake": True}))
+
+    def _answer(self, msg: p.AddRequest) -> None:
+        if self.waves:
+            self.send(p.StartWave(self.dp_rank, self._wave))
+        for i in range(self.num_tokens):
+            last = i == self.num_tokens - 1
+            self.send(p.Deltas(self.dp_rank, [TokenDelta(msg.request_id, [100 + self.dp_rank], last,
+                                                         "length" if last else None, dp_rank=self.dp_rank)]))
+        if self.waves:
+            self.send(p.WaveDone(self.dp_rank, self._wave))
+            self._wave += 1
 
     def close(self) -> None:
         self._stop.set()
