@@ -52,6 +52,7 @@ def render_chat_prompt(processor, messages: list[dict], add_generation_prompt: b
     `chat_template`'s) text, placeholders where the images were, and the images' URLs, fetched
     later, with their fields."""
     conv, urls, fields = split_chat_images(messages)
+    override = {} if chat_template is None else {"chat_template": chat_template}
     text = processor.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                         chat_template=chat_template)
+                                         **override)
     return MultiModalPrompt(text, urls, fields)

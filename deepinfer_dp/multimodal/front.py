@@ -30,9 +30,10 @@ class ImageFront:
     def for_model(cls, model_dir: str, limits: MediaLimits, image_limit: int) -> ImageFront:
         return cls(AutoProcessor.from_pretrained(model_dir), limits, image_limit)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> MultiModalPrompt:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> MultiModalPrompt:
         """As ImageRequests.chat_prompt, and every image URL checked (MediaError naming its field)."""
-        prompt = render_chat_prompt(self.processor, messages, add_generation_prompt)
+        prompt = render_chat_prompt(self.processor, messages, add_generation_prompt, chat_template)
         for url, field in zip(prompt.images, prompt.image_fields or [], strict=True):
             try:
                 check_url(url, self.limits)

@@ -83,7 +83,8 @@ class QwenVLProcessor:
         return out
 
     def apply_chat_template(self, conversation: list[dict], **kwargs):
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, **kwargs)
+        kwargs.setdefault("chat_template", self.chat_template)
+        return self.tokenizer.apply_chat_template(conversation, **kwargs)
 
     def batch_decode(self, *args, **kwargs):
         return self.tokenizer.batch_decode(*args, **kwargs)

@@ -9,8 +9,14 @@ import msgspec
 import pytest
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.policies import (CacheAware, LeastLoaded, PrefixAffinity, RoundRobin, image_digests,
-                                          make_policy)
+from deepinfer_dp.cluster.policies import (
+    CacheAware,
+    LeastLoaded,
+    PrefixAffinity,
+    RoundRobin,
+    image_digests,
+    make_policy,
+)
 from deepinfer_dp.sampling_params import SamplingParams
 
 
