@@ -101,11 +101,14 @@ def per_rank_threads(config: EngineConfig) -> EngineConfig:
 
 
 def connect(frontend: str, rank_info: dict, config: EngineConfig, model_name: str,
-            host: str = "127.0.0.1", key: ClusterKey | None = None) -> RouterClient:
+            host: str = "127.0.0.1", key: ClusterKey | None = None, dp_ranks: list[int] | None = None) -> RouterClient:
     """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
     server detokenizes itself; `config` names the model, its revision and the tokenizer), the
-    ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key)."""
+    ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key).
+    `dp_ranks`: the ranks that router serves (default: all of config.dp_size)."""
     info = rank_info
     tokenizer = load_tokenizer(resolve_model_dir(config.model, config.revision), config.tokenizer)
     processor = InputProcessor(info["vocab_size"], info["max_model_len"], info.get("sampling_defaults"))
-    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key)
+    ranks = list(range(config.dp_size)) if dp_ranks is None else dp_ranks
+    return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key,
+                        dp_ranks=ranks)

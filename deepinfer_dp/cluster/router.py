@@ -76,10 +76,11 @@ class Router:
         self._threads: list[threading.Thread] = []
 
     def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None, up: list[bool] | None = None,
-                     wave: int = 0) -> None:
+                     wave: int = 0, local: range | None = None) -> None:
         """The ranks; `up` and `wave` (the latest any rank is at) when a restarted router takes
-        over running ranks."""
-        self.membership.attach(addresses, liveness, up)
+        over running ranks; `local`: the ranks this router serves when other endpoints serve
+        the rest (hybrid and external modes: the others are only woken for waves)."""
+        self.membership.attach(addresses, liveness, up, local)
         self.waves.wave = max(self.waves.wave, wave)
 
     def start(self) -> Router:
@@ -165,14 +166,30 @@ class Router:
         if rid in self._requests:
             self._to_client(msg.client_id, p.RequestError(rid, "rejected", f"request {rid} is already running"))
             return
-        load = {r.dp_rank: len(r.inflight) for r in up}
-        rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load)]
+        rank = self._pinned(msg) if msg.dp_rank >= 0 else self.membership.ranks[self.policy.choose(
+            msg.prompt_token_ids, {r.dp_rank: len(r.inflight) for r in up})]
+        if rank is None:
+            return
         self.membership.work_arrives()
         self._requests[rid] = (msg.client_id, rank.dp_rank)
         client.requests.add(rid)
         rank.inflight.add(rid)
         rank.send(msg)
         self.waves.wake_others(rank, self.membership.ranks)
+
+    def _pinned(self, msg: p.AddRequest) -> RankHandle | None:
+        """The rank a request was pinned to, or None when it cannot take it (the client told why)."""
+        served = [r.dp_rank for r in self.membership.local()]
+        if msg.dp_rank not in served:
+            self._to_client(msg.client_id, p.RequestError(msg.request_id, "rejected", (
+                f"data_parallel_rank {msg.dp_rank}: this endpoint serves DP ranks {served}")))
+            return None
+        rank = self.membership.ranks[msg.dp_rank]
+        if not rank.up:
+            self._to_client(msg.client_id, p.RequestError(msg.request_id, "no_capacity", (
+                f"data_parallel_rank {msg.dp_rank}: the rank is down: {rank.down_reason}")))
+            return None
+        return rank
 
     def _abort(self, client_id: str, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = defaultdict(list)
@@ -291,7 +308,10 @@ class Router:
                     logger.exception("the rank health check failed")
 
     def close(self) -> None:
-        """Asks every rank to shut down and stops the threads (the launcher ends the processes)."""
+        """Asks every rank to shut down and stops the threads (the launcher ends the processes);
+        safe to call twice."""
+        if self._stop.is_set():
+            return
         self.membership.close()
         self._stop.set()
         self._health_kick.set()

@@ -48,8 +48,11 @@ _ERRORS = {"rejected": RequestRejected, "no_capacity": NoCapacity, "rank_failed"
 class RouterClient:
     def __init__(self, frontend_address: str, tokenizer: Any, model_name: str, max_model_len: int,
                  input_processor: InputProcessor, host: str = "127.0.0.1",
-                 router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None) -> None:
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None,
+                 dp_ranks: list[int] | None = None) -> None:
+        """`dp_ranks`: the ranks the router serves, those a request may pin (default: rank 0 only)."""
         self.tokenizer = tokenizer
+        self.dp_ranks = list(dp_ranks) if dp_ranks is not None else [0]
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.input_processor = input_processor
@@ -77,16 +80,18 @@ class RouterClient:
         self._thread.start()
 
     # ---- the sync core -----------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Sends one validated request (n=1) to the router; its deltas, or the error that ends
-        it, go to `sink` on the receiver thread."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+               data_parallel_rank: int | None = None) -> None:
+        """Sends one validated request (n=1) to the router, to the rank `data_parallel_rank`
+        if given; its deltas, or the error that ends it, go to `sink` on the receiver thread."""
         if self.router_down():
             raise NoCapacity(f"the router has not answered for over {self._router_timeout_s:.0f}s")
         with self._lock:
             if request_id in self._sinks:
                 raise RequestRejected(f"request {request_id} is already running")
             self._sinks[request_id] = sink
-        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id))
+        pin = -1 if data_parallel_rank is None else data_parallel_rank
+        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id, pin))
 
     def abort_sync(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -115,13 +120,13 @@ class RouterClient:
         return time.monotonic() - self._last_heard > self._router_timeout_s
 
     # ---- EngineClient --------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[TokenDelta]:
         """TokenDeltas of one request; closing the iterator early aborts it on its rank."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait,
-                                                                                                  item))
+        self.submit(request_id, prompt_token_ids, params,
+                    lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), data_parallel_rank)
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
             yield delta
 
