@@ -48,8 +48,11 @@ class _Client:
 class Router:
     def __init__(self, settings: RouterSection, policy: RoutingPolicy | None = None, host: str = "127.0.0.1",
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
-        """`settings`: the deployment's router section; `policy` (tests) replaces its policy."""
+                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0),
+                 membership_cls: type[Membership] = Membership) -> None:
+        """`settings`: the deployment's router section; `policy` (tests) replaces its policy;
+        `membership_cls`: how rank failures are handled (cluster/lb_node.py's for a group that
+        cannot re-form)."""
         self.policy = policy if policy is not None else make_policy(settings.policy)
         self.host = host
         self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
@@ -64,7 +67,7 @@ class Router:
         self.backend_address = self._backend.address
         self._lock = threading.RLock()
         self.waves = Waves()
-        self.membership = Membership(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
+        self.membership = membership_cls(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
                                      on_down=self._fail_requests_of, max_restarts=settings.max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}

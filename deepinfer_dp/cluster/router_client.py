@@ -74,6 +74,9 @@ class RouterClient:
         self._router_id = ""  # the router process's, from its health replies
         self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
+        # Set by the HTTP server (stop_when_the_engine_dies): called when the ranks behind this
+        # client can serve no more (a hybrid or external group broke, cluster/lb_node.py).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._stop = threading.Event()
         self._send(p.Hello(self.client_id, self._address))
         self._thread = threading.Thread(target=self._receive_loop, name="router-client", daemon=True)
