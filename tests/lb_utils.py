@@ -35,10 +35,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def server_group(model_dir: str, tmp_path: Path, per_server: list[list[str]]) -> Iterator[list[Server]]:
+def server_group(model_dir: str, tmp_path: Path, per_server: list[list[str]],
+                 expected_codes: list[int] | None = None) -> Iterator[list[Server]]:
     """One server per flag list, all in one group (the same key file and store port); yields
     once every one answers /health with 200; stops them all after (SIGTERM, then SIGKILL to
-    the process group of one that has not exited in 60 s) and checks that nothing is left."""
+    the process group of one that has not exited in 60 s) and checks that nothing is left and
+    that they exited with `expected_codes` (default: all 0)."""
     key_file = tmp_path / "dp.key"
     key_file.write_text(secrets.token_hex(32) + "\n")
     group = ["--data-parallel-rpc-port", str(free_port()), "--data-parallel-key-file", str(key_file)]
@@ -56,7 +58,8 @@ def server_group(model_dir: str, tmp_path: Path, per_server: list[list[str]]) ->
         yield servers
     finally:
         codes = stop_all(servers)
-    assert codes == [0] * len(servers), [(c, s.log.read_text()[-3000:]) for c, s in zip(codes, servers, strict=True)]
+    logs = [s.log.read_text()[-3000:] for s in servers]
+    assert codes == (expected_codes or [0] * len(servers)), list(zip(codes, logs, strict=True))
 
 
 def _wait_healthy(servers: list[Server]) -> None:

@@ -53,11 +53,13 @@ class DPDriver:
         params = sampling_params if sampling_params is not None else self.input_processor.default_params()
         return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
 
-    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Sends a request (n=1) that has passed InputProcessor.process to the router; the
-        rank admits it without checking it again (engine/input_processor.py)."""
+    def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    data_parallel_rank: int | None = None) -> str:
+        """Sends a request (n=1) that has passed InputProcessor.process to the router (to the
+        rank `data_parallel_rank` if given); the rank admits it without checking it again
+        (engine/input_processor.py)."""
         rid = str(next(self._counter)) if request_id is None else str(request_id)
-        self.router.submit(rid, ids, params, self._outputs.put)
+        self.router.submit(rid, ids, params, self._outputs.put, data_parallel_rank)
         self._pending.add(rid)
         return rid
 

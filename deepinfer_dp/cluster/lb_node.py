@@ -84,9 +84,9 @@ class LBNode:
         ctx = mp.get_context("spawn")
         self._procs: dict[int, mp.Process] = {}
         self._closed = False
-        infos = []
+        conns = {}
         try:
-            for rank in local:
+            for rank in local:  # all started before any is waited for: each reports once the whole group joined
                 spec = LBRankSpec(config=dataclasses.replace(self.config, dp_rank=rank), store_host=dp.address,
                                   store_port=dp.rpc_port, router_backend=self.router.backend_address,
                                   host=router.data_plane_host, timeout_s=router.collective_timeout_s,
@@ -96,7 +96,8 @@ class LBNode:
                                                 daemon=True)
                 self._procs[rank].start()
                 child.close()
-                infos.append(self._wait_ready(rank, parent))
+                conns[rank] = parent
+            infos = [self._wait_ready(rank, conn) for rank, conn in conns.items()]
             self.router.attach_ranks(infos[0]["addresses"], self, local=local)
             self.router.start()
             self.client: RouterClient = connect(self.router.frontend_address, infos[0], self.config, model_name,
@@ -148,11 +149,13 @@ class LBNode:
         if client is not None:
             client.close()
         self.router.close()
-        deadline = time.monotonic() + STOP_S
+        # A broken group's ranks wait for a Reform that never comes: nothing to wait for.
+        deadline = time.monotonic() + (0.0 if self.membership.broken else STOP_S)
         for rank, proc in self._procs.items():
             proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
+            if proc.is_alive() and not self.membership.broken:
                 logger.warning("DP rank %d did not exit %.0fs after Shutdown; killing it", rank, STOP_S)
+            if proc.is_alive():
                 proc.kill()
                 proc.join()
 
