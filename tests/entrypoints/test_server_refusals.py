@@ -198,3 +198,11 @@ def test_unknown_routes_and_methods_answer_json(server):
 def test_fields_that_change_nothing_are_accepted(server, route, body):
     r = httpx.post(server.url + route, json={**body, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("header", "status"), [("1", 400), ("zero", 400), ("0", 200)])
+def test_vllms_rank_header_is_checked_as_the_field(server, header, status):
+    r = httpx.post(server.url + "/v1/completions", json=C, headers={"X-data-parallel-rank": header})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "data_parallel_rank"
