@@ -10,9 +10,9 @@ placeholder steps where a rank has nothing. Each router sees its own ranks' step
 and its wave index stays the group's: every rank takes part in every wave.
 
 A group of separately started processes cannot re-form without its missing members: when a
-local rank dies or a vote fails (a peer elsewhere died), every local rank is marked down, its
-requests fail with the cause, and `on_broken` stops the server with status 1 so that its
-supervisor restarts it; the restarted servers meet again at rank 0's store.
+local rank dies or a vote fails (a peer elsewhere died), the server stops with status 1 so
+that its supervisor restarts it (cluster/fixed_group.py); the restarted servers meet again at
+rank 0's store.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer_dp.cluster.data_plane import CLIENT, RANK, ClusterKey, role_key
 from deepinfer_dp.cluster.deployment import connect
+from deepinfer_dp.cluster.fixed_group import FixedGroupMembership
 from deepinfer_dp.cluster.lb_rank import LBRankSpec, run_lb_rank
-from deepinfer_dp.cluster.membership import Membership
 from deepinfer_dp.cluster.router import Router
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config import EngineConfig
@@ -37,37 +36,6 @@ from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 STOP_S = 4.0  # the ranks' exit after Shutdown, before they are killed
-
-
-class FixedGroupMembership(Membership):
-    """Membership of a group that cannot re-form (hybrid and external modes): a dead local rank
-    or a failed vote breaks this server for good (see the module's docstring)."""
-
-    on_broken: Callable[[str], None] | None = None
-    broken = ""
-
-    def check(self) -> None:
-        if self.liveness is None:
-            return
-        with self._lock:
-            if self._closed or self.broken:
-                return
-            local = [r.dp_rank for r in self.ranks if r.local and r.up]
-        dead = [i for i in local if not self.liveness.alive(i)]
-        with self._lock:
-            if not dead and self._broken_since is None:
-                return
-            why = (f"DP rank(s) {dead} of this server died" if dead else
-                   f"a lockstep vote failed on DP rank(s) {sorted(self._broken_ranks)} (a rank of another "
-                   f"server died or stopped answering)")
-            self.broken = (f"the DP group broke: {why}; a group of separately started servers cannot re-form "
-                           f"without its members, so this server stops (restart every server of the group)")
-            for r in self.ranks:
-                if r.local:
-                    self.mark_down(r.dp_rank, self.broken)
-                r.up = False  # nobody is woken any more
-        if self.on_broken is not None:
-            self.on_broken(self.broken)
 
 
 class LBNode:

@@ -8,14 +8,15 @@ import contextlib
 import queue
 
 import pytest
-from router_utils import FakeRank
+from router_utils import FakeLiveness, FakeRank
 
 from deepinfer_dp.cluster import protocol as p
+from deepinfer_dp.cluster.fixed_group import FixedGroupMembership
 from deepinfer_dp.cluster.policies import RoundRobin
 from deepinfer_dp.cluster.router import Router
 from deepinfer_dp.cluster.router_client import RouterClient
 from deepinfer_dp.config_file import RouterSection
-from deepinfer_dp.engine.client import NoCapacity, RequestRejected
+from deepinfer_dp.engine.client import NoCapacity, RankFailed, RequestRejected
 from deepinfer_dp.engine.input_processor import InputProcessor
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -23,11 +24,15 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
 
 
 @contextlib.contextmanager
-def cluster(num_ranks: int, local: range | None = None):
-    """A router over `num_ranks` fake ranks of which it serves `local` (None: all)."""
-    router = Router(RouterSection(max_rank_restarts=0), RoundRobin(), health_interval_s=0.1)
+def cluster(num_ranks: int, local: range | None = None, fixed_group: bool = False):
+    """A router over `num_ranks` fake ranks of which it serves `local` (None: all);
+    `fixed_group`: with the hybrid and external modes' membership (the ranks' liveness is then
+    FakeLiveness: kill one with `liveness.dead.add(i)`)."""
+    extra = {"membership_cls": FixedGroupMembership} if fixed_group else {}
+    router = Router(RouterSection(max_rank_restarts=0), RoundRobin(), health_interval_s=0.1, **extra)
     ranks = [FakeRank(i, router.backend_address) for i in range(num_ranks)]
-    router.attach_ranks([r.address for r in ranks], None, local=local)
+    router.liveness = FakeLiveness() if fixed_group else None
+    router.attach_ranks([r.address for r in ranks], router.liveness, local=local)
     router.start()
     served = list(local if local is not None else range(num_ranks))
     client = RouterClient(router.frontend_address, None, "fake", 64, InputProcessor(200, 64), dp_ranks=served)
@@ -92,3 +97,25 @@ def test_a_router_of_local_ranks_routes_to_them_only_and_wakes_every_rank():
                 remote.next_message(p.Shutdown, timeout=0.5)
         assert isinstance(ranks[2].next_message(p.Shutdown), p.Shutdown)
         assert all(not isinstance(m, p.AddRequest) for r in ranks[:2] for m in list(r.received.queue))
+
+
+@pytest.mark.parametrize("cause", ["a remote rank's vote failed", "a local rank died"])
+def test_a_fixed_group_that_breaks_fails_its_requests_and_stops_its_server(cause):
+    """Hybrid/external membership: no re-form, no restart; the server is told to stop."""
+    with cluster(4, local=range(2, 4), fixed_group=True) as (router, ranks, client):
+        stopped = []
+        router.membership.on_broken = stopped.append
+        ranks[2].hold = True  # its request stays in flight
+        got = queue.Queue()
+        client.submit("r0", [1], PARAMS, got.put)
+        ranks[2].next_message(p.AddRequest)
+        if cause == "a local rank died":
+            router.liveness.dead.add(3)
+        else:
+            ranks[2].send(p.GroupBroken(2, 0, "the lockstep vote failed: peer rank(s) [0] died"))
+        error = _final(got)
+        assert isinstance(error, RankFailed) and "the DP group broke" in str(error), error
+        assert len(stopped) == 1 and "cannot re-form" in stopped[0]
+        assert not any(r["up"] for r in client.health())
+        assert all(not isinstance(m, p.Reform) for r in ranks for m in list(r.received.queue))
+        assert router.liveness.killed == []  # the server's stop ends its rank processes

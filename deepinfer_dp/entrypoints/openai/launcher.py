@@ -184,7 +184,7 @@ def run_lb_server(deployment, names: list[str]) -> int:
     try:
         node = LBNode(deployment.engine_config(), deployment.dp_settings(), deployment.data_parallel,
                       deployment.data_parallel.local_ranks(), names[0])
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # a missing key file, a rank that could not join its group
         raise SystemExit(f"deepinfer-dp serve: {e}") from None
     try:
         return run_server(node.client, names, server.api_key, server.host, server.port, deployment.metrics.port,
