@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 
 import pytest
 from router_utils import FakeLiveness, FakeRank
@@ -103,8 +104,8 @@ def test_a_router_of_local_ranks_routes_to_them_only_and_wakes_every_rank():
 def test_a_fixed_group_that_breaks_fails_its_requests_and_stops_its_server(cause):
     """Hybrid/external membership: no re-form, no restart; the server is told to stop."""
     with cluster(4, local=range(2, 4), fixed_group=True) as (router, ranks, client):
-        stopped = []
-        router.membership.on_broken = stopped.append
+        stopped, told = [], threading.Event()
+        router.membership.on_broken = lambda reason: (stopped.append(reason), told.set())
         ranks[2].hold = True  # its request stays in flight
         got = queue.Queue()
         client.submit("r0", [1], PARAMS, got.put)
@@ -115,6 +116,7 @@ def test_a_fixed_group_that_breaks_fails_its_requests_and_stops_its_server(cause
             ranks[2].send(p.GroupBroken(2, 0, "the lockstep vote failed: peer rank(s) [0] died"))
         error = _final(got)
         assert isinstance(error, RankFailed) and "the DP group broke" in str(error), error
+        assert told.wait(10)  # told after the requests failed, outside the router's lock
         assert len(stopped) == 1 and "cannot re-form" in stopped[0]
         assert not any(r["up"] for r in client.health())
         assert all(not isinstance(m, p.Reform) for r in ranks for m in list(r.received.queue))
