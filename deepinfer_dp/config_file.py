@@ -158,11 +158,49 @@ class DPSettings(_Section):
             raise ValueError("invalid dp_options: " + describe_errors(e)) from None
 
 
+class DataParallelSection(_Section):
+    """vLLM's hybrid and external load-balancing modes (docs/lb_modes.md): servers started
+    separately, each serving its own ranks, in one lockstep group."""
+    rank: int | None = Field(None, ge=0, description="external load balancing: this server is DP rank RANK of "
+                             "dp_size, with its own endpoint; the others are started separately")
+    hybrid_lb: bool = Field(False, description="hybrid load balancing: this server runs and serves its node's "
+                            "size_local ranks from start_rank; the other nodes run their own")
+    size_local: int | None = Field(None, ge=1, description="hybrid: the DP ranks this node runs")
+    start_rank: int | None = Field(None, ge=0, description="hybrid: the first of this node's DP ranks")
+    address: str = Field("127.0.0.1", min_length=1, description="hybrid and external: the address of DP rank 0's "
+                         "node, where the group's store is served")
+    rpc_port: int = Field(29550, ge=1, le=65535, description="hybrid and external: the store's port at address")
+    key_file: str | None = Field(None, description="hybrid and external: a file whose first line is the group's "
+                                 "shared secret (e.g. openssl rand -hex 32), from which every server derives the "
+                                 "data plane's keys; required unless router.data_plane_auth is off")
+
+    def local_ranks(self) -> range | None:
+        """The ranks this server runs and serves; None in internal mode (all, under Ray)."""
+        if self.rank is not None:
+            return range(self.rank, self.rank + 1)
+        if self.hybrid_lb:
+            return range(self.start_rank, self.start_rank + self.size_local)
+        return None
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> DataParallelSection:
+        if self.rank is not None and self.hybrid_lb:
+            raise ValueError("rank (external mode) and hybrid_lb exclude each other")
+        if self.hybrid_lb and (self.size_local is None or self.start_rank is None):
+            raise ValueError("hybrid_lb needs size_local and start_rank")
+        if not self.hybrid_lb and (self.size_local is not None or self.start_rank is not None):
+            raise ValueError("size_local and start_rank are hybrid_lb's (add --data-parallel-hybrid-lb)")
+        return self
+
+
 # section -> (its model, the prefix of its flags)
 SECTIONS: dict[str, tuple[type[_Section], str]] = {
     "router": (RouterSection, "router-"), "ray": (RaySection, "ray-"),
     "server": (ServerSection, ""), "metrics": (MetricsSection, "metrics-"),
+    "data_parallel": (DataParallelSection, "data-parallel-"),
 }
+# vLLM's names of our flags, accepted as well
+FLAG_ALIASES = {"dp_size": ("--data-parallel-size",)}
 
 
 class _DeploymentBase(_Section):
@@ -170,12 +208,17 @@ class _DeploymentBase(_Section):
 
     @model_validator(mode="after")
     def _fits_this_machine(self) -> _DeploymentBase:
+        local = self.data_parallel.local_ranks()
+        if local is not None and local.stop > self.dp_size:
+            raise ValueError(f"data_parallel: this server's DP ranks {list(local)} are not all below "
+                             f"dp_size={self.dp_size}")
         # A remote Ray cluster has its own devices; only a local deployment is checked here.
-        if self.backend == "ray" and self.ray.address != "local":
+        if local is None and self.backend == "ray" and self.ray.address != "local":
             return self
         available, kind = _local_devices(self.device)
-        if self.dp_size > available:
-            raise ValueError(f"dp_size: {self.dp_size} ranks need more than the {available} {kind} "
+        wanted = self.dp_size if local is None else len(local)
+        if wanted > available:
+            raise ValueError(f"dp_size: {wanted} ranks need more than the {available} {kind} "
                              f"available on this machine")
         return self
 
@@ -262,7 +305,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment (a --config file, overridden by these flags)")
     g.add_argument("--config", default=None, help="YAML deployment config (see configs/)")
     for flag, key, f in _options():
-        _add_flag(g, flag, key, f)
+        _add_flag(g, flag, key, f, FLAG_ALIASES.get(key, ()))
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -282,22 +325,24 @@ def engine_options_of(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, _dest(name), None) is not None}
 
 
-def _add_flag(g: argparse._ArgumentGroup, flag: str, key: str, f: FieldInfo) -> None:
-    """The flag of one option; it defaults to None (not given), its help shows the declared default."""
+def _add_flag(g: argparse._ArgumentGroup, flag: str, key: str, f: FieldInfo, aliases: tuple[str, ...] = ()) -> None:
+    """The flag of one option (and its `aliases`); it defaults to None (not given), its help
+    shows the declared default."""
+    flag = (flag, *aliases)
     kind = _scalar_type(f.annotation)
     default = "" if f.default is None else f" (default: {f.default})"
     if kind is dict or issubclass(kind, BaseModel):  # a mapping option: one JSON object on the command line
-        g.add_argument(flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
+        g.add_argument(*flag, dest=_dest(key), type=_json_object, default=None, metavar="JSON",
                        help=f"{f.description}{default}")
     elif kind is list:  # several values: --served-model-name a b
-        g.add_argument(flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
+        g.add_argument(*flag, dest=_dest(key), nargs="+", default=None, help=f"{f.description}{default}")
     elif kind is bool:
-        g.add_argument(flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
+        g.add_argument(*flag, dest=_dest(key), action=argparse.BooleanOptionalAction, default=None,
                        help=f"{f.description}{default}")
     else:  # values are checked by the config's validation, the same as a file's
         choices = typing.get_args(f.annotation) if typing.get_origin(f.annotation) is Literal else ()
         metavar = "{" + ",".join(choices) + "}" if choices else key.rsplit(".", 1)[-1].upper()
-        g.add_argument(flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
+        g.add_argument(*flag, dest=_dest(key), type=kind, default=None, metavar=metavar,
                        help=f"{f.description}{default}")
 
 

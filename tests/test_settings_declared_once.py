@@ -26,8 +26,9 @@ from deepinfer_dp.config_file import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# A name two sections declare on purpose: server.port (--port) and metrics.port (--metrics-port).
-SHARED_ON_PURPOSE = {"port": {"server", "metrics"}}
+# Names two sections declare on purpose: server.port (--port) and metrics.port (--metrics-port);
+# ray.address (--ray-address) and data_parallel.address (vLLM's --data-parallel-address).
+SHARED_ON_PURPOSE = {"port": {"server", "metrics"}, "address": {"ray", "data_parallel"}}
 # The modules that start a deployment from the declarations; none may declare a setting again.
 LAUNCHERS = ["deepinfer_dp/cluster/dp_driver.py", "deepinfer_dp/cluster/deployment.py",
              "deepinfer_dp/cluster/ray_launcher.py",

@@ -25,6 +25,7 @@ drive or stop the cluster (unsafe; only for measuring what CURVE costs).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import threading
@@ -57,6 +58,17 @@ class ClusterKey:
             raise RuntimeError("data-plane authentication needs libzmq built with CURVE (libsodium)")
         pairs = {role: zmq.curve_keypair() for role in ROLES}
         return cls({r: pub for r, (pub, _) in pairs.items()}, {r: sec for r, (_, sec) in pairs.items()})
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> ClusterKey:
+        """Every role's key pair derived from one shared secret (HMAC-SHA256 per role): the
+        servers of a group started separately (hybrid and external modes) read the same secret
+        from a file and so hold the same keys, with nothing sent between them."""
+        if not zmq.has("curve"):
+            raise RuntimeError("data-plane authentication needs libzmq built with CURVE (libsodium)")
+        secrets = {role: z85.encode(hmac.new(secret, f"deepinfer-dp data plane {role}".encode(),
+                                             hashlib.sha256).digest()) for role in ROLES}
+        return cls({role: zmq.curve_public(sec) for role, sec in secrets.items()}, secrets)
 
     def for_role(self, role: str) -> ClusterKey:
         """What a process of `role` is given: its own secret key and the public keys."""

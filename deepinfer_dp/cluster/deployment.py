@@ -108,10 +108,11 @@ def per_rank_threads(config: EngineConfig) -> EngineConfig:
 
 
 def connect(frontend: str, rank_info: dict, config: EngineConfig, model_name: str,
-            host: str = "127.0.0.1", key: ClusterKey | None = None) -> RouterClient:
+            host: str = "127.0.0.1", key: ClusterKey | None = None, dp_ranks: list[int] | None = None) -> RouterClient:
     """A RouterClient to the router at `frontend`, with this process's own tokenizer (an API
     server detokenizes itself; `config` names the model, its revision and the tokenizer), the
-    ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key)."""
+    ranks' limits (`rank_info`) for validation and the data plane's key (RayDeployment.key).
+    `dp_ranks`: the ranks that router serves (default: all of config.dp_size)."""
     info = rank_info
     model_dir = resolve_model_dir(config.model, config.revision)
     tokenizer = load_tokenizer(model_dir, config.tokenizer)
@@ -121,5 +122,6 @@ def connect(frontend: str, rank_info: dict, config: EngineConfig, model_name: st
         from deepinfer_dp.multimodal.front import ImageFront
 
         images = ImageFront.for_model(model_dir, config.media_limits(), config.limit_mm_per_prompt.get("image", 0))
+    ranks = list(range(config.dp_size)) if dp_ranks is None else dp_ranks
     return RouterClient(frontend, tokenizer, model_name, info["max_model_len"], processor, host, key=key,
-                        images=images)
+                        images=images, dp_ranks=ranks)

@@ -59,11 +59,12 @@ class DPDriver:
         return self.add_checked(*self.input_processor.process(prompt_token_ids, params, one_sample=True), request_id)
 
     def add_checked(self, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    mm: MultiModalPrompt | None = None) -> str:
-        """Sends a request (n=1) that has passed InputProcessor.process to the router; the
-        rank admits it without checking it again (engine/input_processor.py). With `mm` its
-        images go as references (a PIL image as PNG bytes); the rank's image worker fetches
-        them, and a failed one finishes only this request, as at dp 1."""
+                    mm: MultiModalPrompt | None = None, data_parallel_rank: int | None = None) -> str:
+        """Sends a request (n=1) that has passed InputProcessor.process to the router (to the
+        rank `data_parallel_rank` if given); the rank admits it without checking it again
+        (engine/input_processor.py). With `mm` its images go as references (a PIL image as PNG
+        bytes); the rank's image worker fetches them, and a failed one finishes only this
+        request, as at dp 1."""
         rid = str(next(self._counter)) if request_id is None else str(request_id)
         wire = None
         if mm is not None:
@@ -71,7 +72,7 @@ class DPDriver:
                 raise InvalidRequest("this model does not take images", "multi_modal_data")
             images = [image_for_wire(image, f"image {i}") for i, image in enumerate(mm.images)]
             wire = images_to_wire(mm.prompt, images, mm.image_fields, mm.max_tokens_set)
-        self.router.submit(rid, ids, params, self._outputs.put, wire)
+        self.router.submit(rid, ids, params, self._outputs.put, wire, data_parallel_rank)
         self._pending.add(rid)
         return rid
 

@@ -59,6 +59,7 @@ class RankHandle:
     last_step: float = 0.0  # monotonic time of its latest step report (Deltas, StartWave, WaveDone)
     leaving: bool = False  # the group shrinks past it: no new requests (cluster/elastic.py)
     group_wave: int = -1  # the wave of the latest Reform it reported joining (Reformed)
+    local: bool = True  # False: another endpoint's rank (hybrid/external modes), only woken for waves
 
     def send(self, msg) -> None:
         self.socket.send(p.encoder.encode(msg))
@@ -85,13 +86,18 @@ class Membership:
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
 
-    def attach(self, addresses: list[str], liveness: Liveness | None, up: list[bool] | None = None) -> None:
+    def attach(self, addresses: list[str], liveness: Liveness | None, up: list[bool] | None = None,
+               local: range | None = None) -> None:
         """The ranks of the first group (dp_rank = index); `up` False: a rank that a restarted
-        router found gone (checked and restarted as any dead rank)."""
+        router found gone (checked and restarted as any dead rank). `local`: the ranks this
+        router serves when other endpoints serve the rest (hybrid and external modes; the
+        others are only woken for waves); None: all."""
         up = up or [True] * len(addresses)
+        local = local if local is not None else range(len(addresses))
         with self._lock:
             self.ranks = [RankHandle(i, addr, self._connect(addr) if ok else self._plane.ctx.socket(zmq.PUSH), up=ok,
-                                     down_reason="" if ok else f"DP rank {i} was lost while the router restarted")
+                                     down_reason="" if ok else f"DP rank {i} was lost while the router restarted",
+                                     local=i in local)
                           for i, (addr, ok) in enumerate(zip(addresses, up, strict=True))]
             self.liveness = liveness
 
@@ -100,12 +106,17 @@ class Membership:
         # and with it the ranks' replies (a deadlock on a large burst).
         return self._plane.connected(zmq.PUSH, address, RANK, SNDHWM=0)
 
+    def local(self) -> list[RankHandle]:
+        """The ranks this router serves (every rank but in hybrid and external modes)."""
+        return [r for r in self.ranks if r.local]
+
     def up(self) -> list[RankHandle]:
-        return [r for r in self.ranks if r.up]
+        """This router's ranks that are up: those it may route to and ask for stats."""
+        return [r for r in self.ranks if r.up and r.local]
 
     def accepting(self) -> list[RankHandle]:
         """The ranks new requests may go to: up, and not leaving the group."""
-        return [r for r in self.ranks if r.up and not r.leaving]
+        return [r for r in self.ranks if r.up and r.local and not r.leaving]
 
     # ---- elastic scaling (cluster/elastic.py) ----------------------------------------------
     def add_ranks(self, addresses: list[str]) -> None:
@@ -147,7 +158,7 @@ class Membership:
         return [{"dp_rank": r.dp_rank, "up": r.up, "inflight": len(r.inflight), "reason": r.down_reason,
                  "restarts": self.restarts.get(r.dp_rank, 0),
                  "step_age_s": round(now - max(r.last_step, self.busy_since), 3) if busy and r.up else None}
-                for r in self.ranks]
+                for r in self.local()]
 
     def work_arrives(self) -> None:
         """A request is about to be sent to a rank: an idle group's stall clock starts now."""
@@ -286,7 +297,7 @@ class Membership:
         with self._lock:
             self._closed = True
             for r in self.ranks:
-                if r.up:
+                if r.up and r.local:  # another endpoint's ranks are its own to stop
                     r.send(p.Shutdown())
             for r in self.ranks:
                 r.socket.close(linger=500)

@@ -55,6 +55,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: dict[str, Any]  # SamplingParams fields, see params_to_wire
     client_id: str = ""  # the client that sent it (the router's bookkeeping; ranks ignore it)
     mm: ImageInputs | None = None  # a prompt with images: the rank expands it (prompt_token_ids: unexpanded)
+    dp_rank: int = -1  # the rank the client pinned it to (vLLM's data_parallel_rank); -1: the policy's choice
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -53,8 +53,11 @@ class _Client:
 class Router:
     def __init__(self, settings: RouterSection, policy: RoutingPolicy | None = None, host: str = "127.0.0.1",
                  health_interval_s: float = 1.0, client_timeout_s: float = CLIENT_TIMEOUT_S,
-                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0)) -> None:
-        """`settings`: the deployment's router section; `policy` (tests) replaces its policy."""
+                 key: ClusterKey | None = None, ports: tuple[int, int] = (0, 0),
+                 membership_cls: type[Membership] = Membership) -> None:
+        """`settings`: the deployment's router section; `policy` (tests) replaces its policy;
+        `membership_cls`: how rank failures are handled (cluster/lb_node.py's for a group that
+        cannot re-form)."""
         self.policy = policy if policy is not None else make_policy(settings.policy)
         self.host = host
         self.router_id = uuid.uuid4().hex[:16]  # told to clients: a new one means a restart
@@ -69,7 +72,7 @@ class Router:
         self.backend_address = self._backend.address
         self._lock = threading.RLock()
         self.waves = Waves()
-        self.membership = Membership(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
+        self.membership = membership_cls(self._plane, self._lock, self.waves, host, settings.collective_timeout_s,
                                      on_down=self._fail_requests_of, max_restarts=settings.max_rank_restarts)
         self.stats = StatsQueries()
         self._clients: dict[str, _Client] = {}
@@ -83,10 +86,11 @@ class Router:
         self._threads: list[threading.Thread] = []
 
     def attach_ranks(self, addresses: list[str], liveness: Liveness | None = None, up: list[bool] | None = None,
-                     wave: int = 0) -> None:
+                     wave: int = 0, local: range | None = None) -> None:
         """The ranks; `up` and `wave` (the latest any rank is at) when a restarted router takes
-        over running ranks."""
-        self.membership.attach(addresses, liveness, up)
+        over running ranks; `local`: the ranks this router serves when other endpoints serve
+        the rest (hybrid and external modes: the others are only woken for waves)."""
+        self.membership.attach(addresses, liveness, up, local)
         self.waves.wave = max(self.waves.wave, wave)
 
     def start(self) -> Router:
@@ -174,9 +178,14 @@ class Router:
         if rid in self._requests:
             self._to_client(msg.client_id, p.RequestError(rid, "rejected", f"request {rid} is already running"))
             return
-        load = {r.dp_rank: len(r.inflight) for r in up}
-        images = image_digests(msg.mm.images) if msg.mm is not None else ()
-        rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load, images)]
+        if msg.dp_rank >= 0:
+            rank = self._pinned(msg)
+        else:
+            load = {r.dp_rank: len(r.inflight) for r in up}
+            images = image_digests(msg.mm.images) if msg.mm is not None else ()
+            rank = self.membership.ranks[self.policy.choose(msg.prompt_token_ids, load, images)]
+        if rank is None:
+            return
         client.requests.add(rid)
         self.log.add(msg)
         self.send_to(rank, msg)
@@ -219,6 +228,20 @@ class Router:
         blocks until done. Raises ScaleError (its status: 400, 409, 503)."""
         self.elastic.begin(new_size)
         return self.elastic.run(new_size, drain_timeout_s)
+
+    def _pinned(self, msg: p.AddRequest) -> RankHandle | None:
+        """The rank a request was pinned to, or None when it cannot take it (the client told why)."""
+        served = [r.dp_rank for r in self.membership.local()]
+        if msg.dp_rank not in served:
+            self._to_client(msg.client_id, p.RequestError(msg.request_id, "rejected", (
+                f"data_parallel_rank {msg.dp_rank}: this endpoint serves DP ranks {served}")))
+            return None
+        rank = self.membership.ranks[msg.dp_rank]
+        if not rank.up:
+            self._to_client(msg.client_id, p.RequestError(msg.request_id, "no_capacity", (
+                f"data_parallel_rank {msg.dp_rank}: the rank is down: {rank.down_reason}")))
+            return None
+        return rank
 
     def _abort(self, client_id: str, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = defaultdict(list)
@@ -349,7 +372,10 @@ class Router:
                     logger.exception("the rank health check failed")
 
     def close(self) -> None:
-        """Asks every rank to shut down and stops the threads (the launcher ends the processes)."""
+        """Asks every rank to shut down and stops the threads (the launcher ends the processes);
+        safe to call twice."""
+        if self._stop.is_set():
+            return
         self.membership.close()
         self._stop.set()
         self._health_kick.set()

@@ -50,8 +50,10 @@ class RouterClient:
     def __init__(self, frontend_address: str, tokenizer: Any, model_name: str, max_model_len: int,
                  input_processor: InputProcessor, host: str = "127.0.0.1",
                  router_timeout_s: float = ROUTER_TIMEOUT_S, key: ClusterKey | None = None,
-                 images: Any = None) -> None:
+                 images: Any = None, dp_ranks: list[int] | None = None) -> None:
+        """`dp_ranks`: the ranks the router serves, those a request may pin (default: rank 0 only)."""
         self.tokenizer = tokenizer
+        self.dp_ranks = list(dp_ranks) if dp_ranks is not None else [0]
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.input_processor = input_processor
@@ -77,6 +79,9 @@ class RouterClient:
         self._address = self._inbox.address
         self.group_failures = 0  # the router's count of failed lockstep votes, as of the last health reply
         self.elastic_state: dict = {}  # the group's size and scale events, as of the last health reply
+        # Set by the HTTP server (stop_when_the_engine_dies): called when the ranks behind this
+        # client can serve no more (a hybrid or external group broke, cluster/lb_node.py).
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._stop = threading.Event()
         self._send(p.Hello(self.client_id, self._address))
         self._thread = threading.Thread(target=self._receive_loop, name="router-client", daemon=True)
@@ -84,17 +89,18 @@ class RouterClient:
 
     # ---- the sync core -----------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
-               mm: p.ImageInputs | None = None) -> None:
+               mm: p.ImageInputs | None = None, data_parallel_rank: int | None = None) -> None:
         """Sends one validated request (n=1) to the router, with its images' references (`mm`,
-        fetched by the rank); its deltas, or the error that ends it, go to `sink` on the
-        receiver thread."""
+        fetched by the rank), to the rank `data_parallel_rank` if given; its deltas, or the
+        error that ends it, go to `sink` on the receiver thread."""
         if self.router_down():
             raise NoCapacity(f"the router has not answered for over {self._router_timeout_s:.0f}s")
         with self._lock:
             if request_id in self._sinks:
                 raise RequestRejected(f"request {request_id} is already running")
             self._sinks[request_id] = sink
-        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id, mm))
+        pin = -1 if data_parallel_rank is None else data_parallel_rank
+        self._send(p.AddRequest(request_id, prompt_token_ids, p.params_to_wire(params), self.client_id, mm, pin))
 
     def abort_sync(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -124,14 +130,14 @@ class RouterClient:
 
     # ---- EngineClient --------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       mm: Any = None) -> AsyncIterator[TokenDelta]:
+                       mm: Any = None, data_parallel_rank: int | None = None) -> AsyncIterator[TokenDelta]:
         """TokenDeltas of one request; closing the iterator early aborts it on its rank. `mm`: a
         chat's MultiModalPrompt, whose image URLs go to the rank as they are."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         wire = None if mm is None else _images_to_wire(mm)
         self.submit(request_id, prompt_token_ids, params,
-                    lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), wire)
+                    lambda item: loop.call_soon_threadsafe(queue.put_nowait, item), wire, data_parallel_rank)
         async for delta in deltas_until_finished(queue, lambda: self.abort_sync([request_id])):
             yield delta
 

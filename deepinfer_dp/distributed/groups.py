@@ -72,8 +72,12 @@ def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: tor
     (by a launcher, or by rank 0 before it handed the port out). `join_timeout_s` (default:
     the collective timeout) bounds the wait for every peer to arrive: at start-up a peer may
     still be loading its model."""
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    _wait_for_peers(store, world_size, timeout_s if join_timeout_s is None else join_timeout_s)
+    join_s = timeout_s if join_timeout_s is None else join_timeout_s
+    # Connecting waits as long as joining: a store served by a server started separately
+    # (hybrid and external modes) may come up later than this rank.
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=join_s))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    _wait_for_peers(store, world_size, join_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return _make_groups(rank, world_size, device, timeout_s, f"{host}:{port}")
@@ -106,13 +110,15 @@ def _wait_for_peers(store: dist.TCPStore, world_size: int, timeout_s: float) -> 
         arrived = store.add("deepinfer_dp/arrived", 0)
 
 
-def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """A TCPStore server on a free port of `host` only (store.port); keep the object alive
-    while ranks join. TCPStore alone would listen on every interface: it is handed a socket
-    bound here instead (it owns the descriptor from then on)."""
+def serve_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, port: int = 0) -> dist.TCPStore:
+    """A TCPStore server on `port` (0: a free one; store.port) of `host` only; keep the object
+    alive while ranks join. TCPStore alone would listen on every interface: it is handed a
+    socket bound here instead (it owns the descriptor from then on)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.bind((host, 0))
+    if port:  # a fixed port: the previous run's connections in TIME_WAIT must not block it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
     sock.listen(128)
     port = sock.getsockname()[1]
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,

@@ -87,9 +87,11 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     input_processor: InputProcessor
+    dp_ranks: list[int]  # the DP ranks behind this client: those a request may pin
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 mm: MultiModalPrompt | None = None) -> AsyncIterator[TokenDelta]: ...
+                 mm: MultiModalPrompt | None = None,
+                 data_parallel_rank: int | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -95,14 +95,16 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list:
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True,
+                 data_parallel_rank: int | None = None) -> list:
         """One result per prompt, in prompt order: text (decode_sequence=True) or the list of
         cloned RequestOutputs (one per token). With n > 1 a result is a list of n of those.
         A prompt with images is a dict, vLLM's shape: {"prompt": text with the model's image
         placeholders, "multi_modal_data": {"image": image or [images]}} (PIL images, bytes or
         URLs). Images that fail (fetch, decode, processor) fail only their prompt: the others
         run, then one ValueError names the prompt and the image, its `outputs` the results
-        (None for a failed prompt)."""
+        (None for a failed prompt). `data_parallel_rank` (vLLM's): every request runs on that
+        DP rank (one of this LLM's: under torchrun, this process's own)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is None and prompt_token_ids is None:
@@ -112,7 +114,8 @@ class LLM:
             raise ValueError(f"got {num} prompts but {len(prompt_token_ids)} prompt_token_ids")
         params = _per_prompt_params(self.get_default_sampling_params() if sampling_params is None else sampling_params,
                                     num)
-        owners = self._add_requests(prompts, prompt_token_ids, params)
+        pin = self._pin(data_parallel_rank)
+        owners = self._add_requests(prompts, prompt_token_ids, params, pin)
         outputs = self._run_engine(use_tqdm, len(owners))
         return self._collect(outputs, owners, params, num)
 
@@ -147,7 +150,17 @@ class LLM:
             raise InvalidRequest("this model does not take images", "multi_modal_data")
         return images
 
-    def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams]) -> dict[str, int]:
+    def _pin(self, data_parallel_rank: int | None) -> dict:
+        """add_checked's keyword for a pinned rank (none for an in-process engine: it is the rank)."""
+        if data_parallel_rank is None:
+            return {}
+        served = [self.llm_engine.config.dp_rank] if self.llm_engine is not None else list(range(self.dp.dp_size))
+        if data_parallel_rank not in served:
+            raise InvalidRequest(f"data_parallel_rank {data_parallel_rank} does not exist here: this LLM's "
+                                 f"DP ranks are {served}", "data_parallel_rank")
+        return {} if self.llm_engine is not None else {"data_parallel_rank": data_parallel_rank}
+
+    def _add_requests(self, prompts, prompt_token_ids, params: list[SamplingParams], pin: dict) -> dict[str, int]:
         """Adds every request before any model work; maps request id -> prompt index. Each
         prompt is validated once with its params (InputProcessor.process), and its n samples
         are submitted as checked requests. A bad prompt raises InvalidRequest naming its index
@@ -160,7 +173,7 @@ class LLM:
                 text = mm.prompt if mm is not None else prompts[i] if prompts is not None else None
                 ids = prompt_token_ids[i] if prompt_token_ids is not None else self._tokenize(text)
                 ids, checked = processor.process(ids, p)
-                extra = {} if mm is None else {"mm": mm}
+                extra = pin if mm is None else {"mm": mm, **pin}
                 for sample in range(checked.n):
                     owners[self._submitter.add_checked(ids, checked.for_sample(sample), **extra)] = i
         except ValueError as e:

@@ -79,6 +79,14 @@ def test_an_idle_rank_runs_placeholder_steps(ray_llm, dp1_token_ids):
     assert idle_placeholders == idle_steps  # the idle rank stepped along, every step a placeholder
 
 
+def test_a_pinned_rank_serves_every_request_and_a_missing_one_is_refused(ray_llm, dp1_token_ids):
+    results = ray_llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, data_parallel_rank=1)
+    assert token_ids(results) == dp1_token_ids[:3]
+    assert [outs[-1].dp_rank for outs in results] == [1, 1, 1]
+    with pytest.raises(ValueError, match=r"data_parallel_rank 2 does not exist here: this LLM's DP ranks are \[0, 1\]"):
+        ray_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, data_parallel_rank=2)
+
+
 def test_ray_bad_prompt_is_a_clear_error_and_n_and_text_work(ray_llm):
     with pytest.raises(ValueError, match=r"prompt 1: token id 99999 at position 1 is outside the vocabulary"):
         ray_llm.generate(prompt_token_ids=[[5, 6], [5, 99999]], sampling_params=GREEDY, use_tqdm=False)

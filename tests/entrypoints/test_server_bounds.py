@@ -18,9 +18,10 @@ HUGE = "9" * 5000  # more digits than Python turns into an int from text (4300)
 BOUNDS = [-(2**63) - 1, -(2**63), -1, 0, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, HUGE, "-" + HUGE]
 BOUND_IDS = ["-2**63-1", "-2**63", "-1", "0", "2**31", "2**32", "2**63-1", "2**63", "2**64-1", "2**64", "2**70",
              "huge", "-huge"]
-COMPLETION_INTS = ["n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "best_of", "stop_token_ids", "prompt"]
+COMPLETION_INTS = ["n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "best_of", "stop_token_ids", "prompt",
+                   "data_parallel_rank"]
 CHAT_INTS = ["n", "max_tokens", "max_completion_tokens", "top_k", "seed", "min_tokens", "top_logprobs",
-             "stop_token_ids"]
+             "stop_token_ids", "data_parallel_rank"]
 FLOATS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
 LISTS = {"stop_token_ids", "prompt"}  # sent as [value]
 BASE = {"/v1/completions": {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 1},

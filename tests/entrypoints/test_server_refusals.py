@@ -63,6 +63,8 @@ COMPLETIONS = [  # (body, status, param)
     ({**C, "service_tier": "flex"}, 400, "service_tier"),
     ({**C, "store": True}, 400, "store"),
     ({**C, "temprature": 0.5}, 400, "temprature"),  # a typo is named, never ignored
+    ({**C, "data_parallel_rank": 1}, 400, "data_parallel_rank"),  # dp 1: only rank 0 exists
+    ({**C, "data_parallel_rank": -1}, 400, "data_parallel_rank"),
 ]
 
 CHAT = [
@@ -101,6 +103,7 @@ CHAT = [
         "name": "f", "arguments": "[1]"}}]}]}, 400, "messages.1.tool_calls.0.function.arguments"),
     ({**H, "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content"),
     ({**H, "n": 7}, 400, "n"),
+    ({**H, "data_parallel_rank": 3}, 400, "data_parallel_rank"),
 ]
 
 
@@ -181,7 +184,7 @@ def test_unknown_routes_and_methods_answer_json(server):
 
 @pytest.mark.parametrize(("route", "body"), [
     ("/v1/completions", {**C, "user": "u-1", "best_of": 1, "suffix": "", "store": False, "service_tier": "auto",
-                         "metadata": {"k": "v"}}),
+                         "metadata": {"k": "v"}, "data_parallel_rank": 0}),
     ("/v1/chat/completions", {**H, "user": "u-1", "metadata": {"k": "v"}, "store": False,
                               "parallel_tool_calls": True, "tool_choice": "none", "tools": [],
                               "response_format": {"type": "text"}, "modalities": ["text"],
@@ -195,3 +198,11 @@ def test_unknown_routes_and_methods_answer_json(server):
 def test_fields_that_change_nothing_are_accepted(server, route, body):
     r = httpx.post(server.url + route, json={**body, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("header", "status"), [("1", 400), ("zero", 400), ("0", 200)])
+def test_vllms_rank_header_is_checked_as_the_field(server, header, status):
+    r = httpx.post(server.url + "/v1/completions", json=C, headers={"X-data-parallel-rank": header})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "data_parallel_rank"

@@ -147,6 +147,11 @@ def run_serve(args: argparse.Namespace) -> None:
                                                              "chat_template": template})
     engine = deployment.engine_options()
     names = served_names(deployment.server.served_model_name, deployment.model)
+    if deployment.data_parallel.local_ranks() is not None:
+        code = run_lb_server(deployment, names)
+        if code:
+            raise SystemExit(f"deepinfer-dp serve: the DP group broke (see the log above); exiting with status {code}")
+        return
     if deployment.dp_size > 1 and deployment.backend != "ray":
         raise SystemExit("deepinfer-dp serve: serving torchrun-launched ranks is not supported yet; "
                          "use backend: ray (the default)")
@@ -173,6 +178,28 @@ def run_serve(args: argparse.Namespace) -> None:
         stop()
     if code:
         raise SystemExit(f"deepinfer-dp serve: the engine failed (see the log above); exiting with status {code}")
+
+
+def run_lb_server(deployment, names: list[str]) -> int:
+    """Hybrid or external load balancing (docs/lb_modes.md): this server's ranks, started here,
+    in a group with the other servers', behind this endpoint; returns the exit status."""
+    from deepinfer_dp.cluster.lb_node import LBNode
+
+    server = deployment.server
+    if server.api_server_count > 1:
+        raise SystemExit("deepinfer-dp serve: --api-server-count is not supported with --data-parallel-rank or "
+                         "--data-parallel-hybrid-lb (each server is one API server process)")
+    try:
+        node = LBNode(deployment.engine_config(), deployment.dp_settings(), deployment.data_parallel,
+                      deployment.data_parallel.local_ranks(), names[0])
+    except (ValueError, RuntimeError) as e:  # a missing key file, a rank that could not join its group
+        raise SystemExit(f"deepinfer-dp serve: {e}") from None
+    try:
+        return run_server(node.client, names, server.api_key, server.host, server.port, deployment.metrics.port,
+                          limits=server.limits(), shutdown_grace_s=server.shutdown_grace_s,
+                          model_root=model_root(deployment.model))
+    finally:
+        node.shutdown()
 
 
 def serve_main(argv: list[str] | None = None) -> None:

@@ -56,6 +56,7 @@ class LocalEngineClient:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.dp_ranks = [0]  # what a request may pin (data_parallel_rank)
         self.input_processor = engine.input_processor
         # A vision model's images: the chat template of its processor, and how many a prompt may carry.
         self.images = engine.images
@@ -76,7 +77,9 @@ class LocalEngineClient:
 
     # ---- the EngineClient protocol (called from the asyncio side) ------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       mm: MultiModalPrompt | None = None) -> AsyncIterator[TokenDelta]:
+                       mm: MultiModalPrompt | None = None,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[TokenDelta]:
+        # data_parallel_rank: only 0 passes the server's check (dp_ranks), and it is this engine
         if not self._thread.is_alive():
             raise NoCapacity("the engine thread is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

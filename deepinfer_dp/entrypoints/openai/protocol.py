@@ -164,6 +164,7 @@ class SamplingFields(_Request):
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     stream_interval: Any = None
+    data_parallel_rank: int | None = None  # vLLM's: pin the request to this DP rank (one this endpoint serves)
 
     def continuous_usage(self) -> bool:
         """vLLM's `stream_options.continuous_usage_stats`: with include_usage, every chunk

@@ -35,7 +35,7 @@ from deepinfer_dp.entrypoints.openai.protocol import (
     random_id,
 )
 from deepinfer_dp.entrypoints.openai.request_body import body_of, document_bodies, openapi_body
-from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, run_choices
+from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, pinned_rank, run_choices
 from deepinfer_dp.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,9 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
     async def serve(req, module, request: Request):
         check_model(req.model)
+        dp_rank = pinned_rank(req.data_parallel_rank, request.headers.get("x-data-parallel-rank"), client)
         prompts, params, stops = await module.prepare(ctx, req)
-        events = run_choices(ctx, random_id("req"), prompts, params, req.n, stops)
+        events = run_choices(ctx, random_id("req"), prompts, params, req.n, stops, dp_rank)
         if not req.stream:
             return await _unless_disconnected(module.complete(ctx, req, events, prompts), request)
         chunks = module.stream(ctx, req, await _primed(events), prompts)

@@ -197,13 +197,34 @@ def check_request(ids: list[int], params: SamplingParams, client: EngineClient, 
         raise bad_request(message, names.get(param, param)) from e
 
 
+def pinned_rank(body_value: int | None, header: str | None, client: EngineClient) -> int | None:
+    """The DP rank a request pins (vLLM's `data_parallel_rank` field, or its X-data-parallel-rank
+    header), checked against the ranks behind this endpoint; None: the router's choice."""
+    value = body_value
+    if value is None and header is not None:
+        try:
+            value = int(header)
+        except ValueError:
+            raise bad_request(f"X-data-parallel-rank must be an integer, got {header!r}",
+                              "data_parallel_rank") from None
+    served = list(getattr(client, "dp_ranks", [0]))
+    if value is not None and value not in served:
+        raise bad_request(f"data_parallel_rank {value} does not exist here: this endpoint serves DP ranks "
+                          f"{served}", "data_parallel_rank")
+    return value
+
+
 async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                     stops: list[str], arrival: float, on_start: Callable[[int], None]) -> AsyncIterator[ChoiceEvent]:
-    """One engine request, as text events; stops it early when a stop string shows up."""
+                     stops: list[str], arrival: float, on_start: Callable[[int], None],
+                     dp_rank: int | None = None) -> AsyncIterator[ChoiceEvent]:
+    """One engine request, as text events; stops it early when a stop string shows up.
+    `dp_rank`: the rank it is pinned to (None: the router's choice)."""
     detok = IncrementalDetokenizer(ctx.client.tokenizer, params.skip_special_tokens)
     watch = StopWatch(stops, params.include_stop_str_in_output)
     mm = getattr(ids, "mm", None)
-    gen = ctx.client.generate(f"{request_id}-{index}", ids, params, **({"mm": mm} if mm is not None else {}))
+    extra = {**({"mm": mm} if mm is not None else {}), **({"data_parallel_rank": dp_rank} if dp_rank is not None
+                                                           else {})}
+    gen = ctx.client.generate(f"{request_id}-{index}", ids, params, **extra)
     rank, last, num_tokens, status = None, arrival, 0, "abort"
     try:
         async for delta in gen:
@@ -235,7 +256,8 @@ async def run_choice(ctx: ServingContext, request_id: str, index: int, ids: list
 
 
 async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                      params: list[SamplingParams], n: int, stops: list[str]) -> AsyncIterator[ChoiceEvent]:
+                      params: list[SamplingParams], n: int, stops: list[str],
+                      dp_rank: int | None = None) -> AsyncIterator[ChoiceEvent]:
     """All choices of a request, interleaved as they come; choice index = prompt * n + sample.
     The choices count against the server's waiting queue until their first token (QueueFull
     when it is full, raised before anything is submitted)."""
@@ -250,7 +272,7 @@ async def run_choices(ctx: ServingContext, request_id: str, prompts: list[list[i
         waiting.discard(index)
         ctx.admission.started()
 
-    gens = [run_choice(ctx, request_id, p * n + i, ids, params[p].for_sample(i), stops, arrival, on_start)
+    gens = [run_choice(ctx, request_id, p * n + i, ids, params[p].for_sample(i), stops, arrival, on_start, dp_rank)
             for p, ids in enumerate(prompts) for i in range(n)]
     try:
         async for event in _interleave(gens):
