@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
+from sliding_window_capacity import fill_and_drain
 
-from deepinfer_dp import _C
 from deepinfer_dp.layers.kv_groups import plan_kv_groups
 
 # (layers, KV heads, head_dim, sliding window); every 6th layer global (Gemma 3's pattern).
@@ -34,26 +33,9 @@ def run(hybrid: bool, args: argparse.Namespace) -> dict:
     groups = plan_kv_groups([0 if (i + 1) % 6 == 0 else window for i in range(layers)], hybrid=hybrid)
     layer_block_bytes = 2 * kv_heads * head_dim * 2 * args.block_size  # (K, V) x bf16, one layer
     num_blocks = int(args.kv_gib * 2**30) // (layer_block_bytes * groups.group_size) + 1  # + the dummy block
-    sched = _C.Scheduler(_C.SchedulerConfig(
-        max_num_seqs=args.requests, max_num_batched_tokens=args.chunk, block_size=args.block_size,
-        num_blocks=num_blocks, max_model_len=args.seq_len, vocab_size=32000, enable_prefix_caching=True,
-        **groups.scheduler_args()))
-    prompt_len = args.seq_len - args.new_tokens
-    for i in range(args.requests):  # distinct prompts: no prefix-cache sharing
-        prompt = [(i * 7919 + j * 31) % 31000 + 1 for j in range(prompt_len)]
-        sched.add_sequence(_C.Sequence(f"r{i}", prompt, _C.SequenceLimits(max_tokens=args.new_tokens,
-                                                                          ignore_eos=True)))
-    most_running = most_decoding = steps = 0
-    while sched.has_unfinished_seqs():
-        out = sched.schedule()
-        steps += 1
-        most_running = max(most_running, sched.num_running)
-        if not out.is_prompt:
-            most_decoding = max(most_decoding, out.num_seqs)
-        sched.process_outputs(out, np.full(out.num_samples, 7, dtype=np.int64))
+    result = fill_and_drain(num_blocks, args, **groups.scheduler_args())
     return {"model": args.model, "kv_gib": args.kv_gib, "hybrid": hybrid, "kv_groups": groups.num_groups,
-            "layers_per_group": groups.group_size, "num_blocks": num_blocks, "most_running": most_running,
-            "most_decoding_together": most_decoding, "preemptions": sched.stats["num_preemptions"], "steps": steps}
+            "layers_per_group": groups.group_size, **result}
 
 
 def main() -> None:

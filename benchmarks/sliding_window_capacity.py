@@ -25,11 +25,14 @@ from deepinfer_dp import _C
 BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head_dim x bf16
 
 
-def run(window: int, num_blocks: int, args: argparse.Namespace) -> dict:
+def fill_and_drain(num_blocks: int, args: argparse.Namespace, **scheduler_args) -> dict:
+    """Drives the real C++ scheduler with a stand-in worker (every sampled token 7) over
+    `args.requests` distinct prompts until all finish; what fitted at once and what it cost.
+    `scheduler_args`: the SchedulerConfig fields under test (sliding_window, KV groups)."""
     sched = _C.Scheduler(_C.SchedulerConfig(
         max_num_seqs=args.requests, max_num_batched_tokens=args.chunk, block_size=args.block_size,
         num_blocks=num_blocks, max_model_len=args.seq_len, vocab_size=32000, enable_prefix_caching=True,
-        sliding_window=window))
+        **scheduler_args))
     prompt_len = args.seq_len - args.new_tokens
     for i in range(args.requests):  # distinct prompts: no prefix-cache sharing
         prompt = [(i * 7919 + j * 31) % 31000 + 1 for j in range(prompt_len)]
@@ -43,9 +46,12 @@ def run(window: int, num_blocks: int, args: argparse.Namespace) -> dict:
         if not out.is_prompt:
             most_decoding = max(most_decoding, out.num_seqs)
         sched.process_outputs(out, np.full(out.num_samples, 7, dtype=np.int64))
-    return {"window": window, "num_blocks": num_blocks, "most_running": most_running,
-            "most_decoding_together": most_decoding, "preemptions": sched.stats["num_preemptions"],
-            "steps": steps}
+    return {"num_blocks": num_blocks, "most_running": most_running, "most_decoding_together": most_decoding,
+            "preemptions": sched.stats["num_preemptions"], "steps": steps}
+
+
+def run(window: int, num_blocks: int, args: argparse.Namespace) -> dict:
+    return {"window": window, **fill_and_drain(num_blocks, args, sliding_window=window)}
 
 
 def main() -> None:
