@@ -29,20 +29,12 @@ def token_ids(results) -> list[list[int]]:
     return [[t for o in outs for t in o.token_ids] for outs in results]
 
 
-def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: str = "all_to_all",
-               extra_args: tuple[str, ...] = (), env: dict | None = None,
-               timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """launch/torchrun_generate.py in 2 processes with expert parallelism and EP_ENGINE's
-    options over PROMPTS (written beside `out`), its JSON results in `out`; past `timeout_s`
-    its whole process group is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
-           "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
-           "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]), "--enable-expert-parallel",
-           "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")),
-           *extra_args]
-    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
+def run_torchrun(args: list[str], nproc: int = 2, env: dict | None = None,
+                 timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` of `args` (a script and its arguments) in `nproc` processes,
+    from the repository root, in its own process group so that past `timeout_s` the whole
+    group is killed (torchrun's rank processes too, not only torchrun)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
@@ -52,6 +44,22 @@ def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: str = "all_to_all",
+               extra_args: tuple[str, ...] = (), env: dict | None = None,
+               timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """launch/torchrun_generate.py in 2 processes with expert parallelism and EP_ENGINE's
+    options over PROMPTS (written beside `out`), its JSON results in `out`."""
+    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
+    return run_torchrun([str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir),
+                         "--shard-sizes", shard_sizes, "--max-tokens", str(MAX_TOKENS),
+                         "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
+                         "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
+                         "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]),
+                         "--enable-expert-parallel", "--all2all-backend", backend, "--output", str(out),
+                         "--prompts-file", str(out.with_suffix(".txt")), *extra_args],
+                        env=env, timeout_s=timeout_s)
 
 
 def submit_all(router, prefix: str, num: int, params: SamplingParams, prompt: list[int]) -> dict[str, queue.Queue]:

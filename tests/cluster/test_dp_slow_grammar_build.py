@@ -6,15 +6,13 @@ their step counts stay equal, and the constrained output is correct."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine"))
+from dp_utils import run_torchrun  # noqa: E402
 from so_cases import CODE_REGEX  # noqa: E402
 
 DELAY_S = 3.0
@@ -22,16 +20,8 @@ DELAY_S = 3.0
 
 def test_group_keeps_stepping_while_a_ranks_only_grammar_builds(tiny_model_dir, tmp_path):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "slow_grammar_rank.py"), str(tiny_model_dir), str(out), str(DELAY_S), CODE_REGEX]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    proc = run_torchrun([str(HERE / "slow_grammar_rank.py"), str(tiny_model_dir), str(out), str(DELAY_S), CODE_REGEX])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     plain, constrained = result["texts"][0][0], result["texts"][1][0]
     assert plain and re.fullmatch(CODE_REGEX, constrained), result["texts"]

@@ -4,35 +4,22 @@ DP=1 token for token, and a clean exit (status 0, no abort) every time."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from dp_utils import GREEDY, MAX_TOKENS, PROMPTS
-
-ROOT = Path(__file__).resolve().parents[2]
+from dp_utils import GREEDY, MAX_TOKENS, PROMPTS, ROOT, run_torchrun
 
 
 def _torchrun(model_dir: Path, shard_sizes: str, out: Path, check: bool = True,
               torchrun_args: tuple[str, ...] = (), args: tuple[str, ...] = ()) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *torchrun_args,
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir),
-           "--shard-sizes", shard_sizes, "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64",
-           "--max-num-seqs", "2", "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")), *args]
     out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
-    # Its own process group, so a timeout ends torchrun's rank processes too, not only torchrun.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, stderr
+    proc = run_torchrun([*torchrun_args, str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir),
+                         "--shard-sizes", shard_sizes, "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", "64",
+                         "--max-num-seqs", "2", "--output", str(out), "--prompts-file",
+                         str(out.with_suffix(".txt")), *args])
+    return proc.returncode, proc.stderr
 
 
 def _clean_exit(returncode: int, stderr: str) -> None:

@@ -7,20 +7,16 @@ with two GPUs they go over NCCL. Run on a lent GPU machine with
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dp_utils import ROOT, run_torchrun
 from moe_utils import build_tiny_moe
 
 from deepinfer_dp import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello, my name is", "The capital of France is", "Write a haiku about the sea.", "Hi"]
 MAX_TOKENS = 16
 
@@ -32,20 +28,11 @@ def moe_dir(tmp_path_factory) -> Path:
 
 def _torchrun(model_dir: Path, device: str, backend: str, out: Path) -> dict:
     out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--device", device,
-           "--dtype", "float32", "--shard-sizes", "3,1", "--max-tokens", str(MAX_TOKENS), "--enable-expert-parallel",
-           "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt"))]
-    env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, env=env)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    proc = run_torchrun([str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--device", device,
+                         "--dtype", "float32", "--shard-sizes", "3,1", "--max-tokens", str(MAX_TOKENS),
+                         "--enable-expert-parallel", "--all2all-backend", backend, "--output", str(out),
+                         "--prompts-file", str(out.with_suffix(".txt"))], env={"NVIDIA_TF32_OVERRIDE": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 

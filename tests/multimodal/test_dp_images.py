@@ -6,13 +6,10 @@ equals transformers' (as at DP=1)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dp_utils import run_torchrun
 from mm_utils import HFReference, build_tiny_llava, make_image, slow_image_server
 
 HERE = Path(__file__).resolve().parent
@@ -25,17 +22,8 @@ def test_a_rank_waiting_for_images_keeps_the_group_stepping(tmp_path_factory, tm
     model = build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny-llava")
     out = tmp_path / "out.json"
     with slow_image_server(DELAY_S, make_image(50)) as slow_url:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(HERE / "dp_images_rank.py"), str(model), str(out), slow_url, str(TOKENS)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            _, stderr = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+        proc = run_torchrun([str(HERE / "dp_images_rank.py"), str(model), str(out), slow_url, str(TOKENS)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     hf = HFReference(model)
     expected = [[hf.greedy("USER: <image>\nwhat is it? ASSISTANT:", [make_image(50)], TOKENS),
