@@ -139,6 +139,21 @@ def prompts_of_lengths(lengths: list[int], vocab: int = 400, offset: int = 3) ->
     return [[offset + (i * 37 + j * 11) % (vocab - offset) for j in range(n)] for i, n in enumerate(lengths)]
 
 
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone, fp32, exactly `max_new_tokens`
+    long (no EOS stop, like ignore_eos): the reference our engine must equal token for token."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
 def token_ids(results) -> list[list[int]]:
     """Per prompt, the token ids of LLM.generate(..., decode_sequence=False) outputs."""
     return [[o.token_id for o in outs] for outs in results]

@@ -9,27 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import prompts_of_lengths, token_ids
-from transformers import AutoModelForCausalLM
+from model_utils import hf_greedy, prompts_of_lengths, token_ids
 
 from deepinfer_dp import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def hf_greedy_cuda(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +35,7 @@ def test_fp32_on_cuda_matches_transformers_on_cuda(tiny_models, kind, zos):
               max_num_batched_tokens=32, num_kv_blocks=64)
     ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, **GREEDY),
                                   use_tqdm=False))
-    assert ours == hf_greedy_cuda(tiny_models[kind], prompts, 12)
+    assert ours == hf_greedy(tiny_models[kind], prompts, 12, device="cuda")
 
 
 def test_bf16_on_cuda_follows_fp32(tiny_model_dir):

@@ -9,26 +9,11 @@ import sys
 import threading
 
 import pytest
-import torch
-from model_utils import prompts_of_lengths, token_ids
-from transformers import AutoModelForCausalLM
+from model_utils import hf_greedy, prompts_of_lengths, token_ids
 
 from deepinfer_dp import _C, LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # exactly max_new_tokens, like ignore_eos
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 def _smollm2_check(num_topics: int, max_tokens: int) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from model_utils import build_tiny_model, prompts_of_lengths, token_ids
+from model_utils import build_tiny_model, hf_greedy, prompts_of_lengths, token_ids
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -22,15 +22,6 @@ from deepinfer_dp.models.default_model import PACKED_FILE
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 GGUF_TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
               "q8_0": GGMLQuantizationType.Q8_0}
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
 
 
 def ours(model_dir, prompts: list[list[int]]) -> list[list[int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_utils import prompts_of_lengths, token_ids, write_tiny_model
+from model_utils import hf_greedy, prompts_of_lengths, token_ids, write_tiny_model
 from transformers import MistralConfig, Qwen2Config
 
 from deepinfer_dp import _C, LLM, SamplingParams
@@ -33,21 +33,6 @@ def sliding_model(request, tmp_path_factory):
     kind = request.param
     path = write_tiny_model(lambda v: sliding_config(kind, v), tmp_path_factory.mktemp(f"sliding-{kind}"))
     return kind, path
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 def window_prompts(count: int) -> list[list[int]]:
