@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import prompts_of_lengths, tiny_config, token_ids, write_tiny_model
+from model_utils import tiny_config, token_ids, write_tiny_model
 from safetensors.torch import load_file, save_file
 from test_spec_decode_sampling import NUM, chi_square_p, first_three
 
@@ -46,17 +46,6 @@ def run(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
 
 def stats(llm: LLM) -> dict:
     return llm.rank_stats()[0]
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    base = prompts_of_lengths([6, 11, 17, 23], offset=7)
-    return [p + p[:5] + p for p in base] + prompts_of_lengths([5, 9, 30], offset=90)
-
-
-@pytest.fixture(scope="module")
-def off(tiny_model_dir):
-    return LLM(tiny_model_dir, decode_sequence=False)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

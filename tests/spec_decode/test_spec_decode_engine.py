@@ -5,7 +5,7 @@ auto-off; the configuration and its errors. The long SmolLM2 version is marked s
 from __future__ import annotations
 
 import pytest
-from model_utils import prompts_of_lengths, token_ids
+from model_utils import token_ids
 
 from deepinfer_dp import LLM, SamplingParams
 
@@ -53,18 +53,6 @@ class OracleProposer:
 def with_oracle(llm: LLM, prompts: list[list[int]], free: list[list[int]]) -> LLM:
     llm.llm_engine.speculator.proposer = OracleProposer({tuple(p): f for p, f in zip(prompts, free, strict=True)})
     return llm
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    # repeated phrases give prompt lookup something to find
-    base = prompts_of_lengths([6, 11, 17, 23], offset=7)
-    return [p + p[:5] + p for p in base] + prompts_of_lengths([5, 9, 30], offset=90)
-
-
-@pytest.fixture(scope="module")
-def off(tiny_model_dir):
-    return LLM(tiny_model_dir, decode_sequence=False)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
