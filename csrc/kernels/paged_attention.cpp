@@ -178,9 +178,25 @@ AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
+// The largest of n scores, 8 lanes at a time (a max is exact in any order; the scalar
+// std::max_element took about a tenth of a long prefill's attention).
+AVX2_INLINE float max_of(const float *sc, int n) {
+  float mx = sc[0];
+  int t = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(sc);
+    for (t = 8; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; t < n; ++t) mx = std::max(mx, sc[t]);
+  return mx;
+}
+
 // Softmax of n scores in place, 8 lanes at a time.
 __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
-  const float mx = *std::max_element(sc, sc + n);
+  const float mx = max_of(sc, n);
   const __m256 m = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
   int t = 0;
