@@ -30,13 +30,17 @@ def best_by_engine(rounds: list[list[dict]], workload: str) -> dict[str, dict]:
 
 def prefill_decode(engine: str, e: dict, ours: dict | None, prompt_tokens: int) -> str:
     """The prefill pass's best seconds and the best decode tok/s, with ours against this engine's."""
-    prefill, decode = min(e["prefill_s"]), max(e["decode_tok_s"])
+    decodes = [x for x in e["decode_tok_s"] if x is not None]
+    prefill, decode = min(e["prefill_s"]), max(decodes, default=None)
+    rounds = ", ".join("n/a" if x is None else f"{x:.1f}" for x in e["decode_tok_s"])
     line = (f"  {engine:<17} prefill {prefill:6.1f} s ({prompt_tokens / prefill:6.0f} prompt tok/s; rounds "
-            f"{', '.join(f'{x:.1f}' for x in e['prefill_s'])}), decode {decode:6.1f} tok/s (rounds "
-            f"{', '.join(f'{x:.1f}' for x in e['decode_tok_s'])})")
+            f"{', '.join(f'{x:.1f}' for x in e['prefill_s'])}), decode "
+            f"{'n/a' if decode is None else f'{decode:6.1f}'} tok/s (rounds {rounds})")
     if ours is not None and ours is not e and "prefill_s" in ours:
-        line += (f"; ours vs it: prefill {prefill / min(ours['prefill_s']):.2f}x, "
-                 f"decode {max(ours['decode_tok_s']) / decode:.2f}x")
+        line += f"; ours vs it: prefill {prefill / min(ours['prefill_s']):.2f}x"
+        ours_decode = max((x for x in ours["decode_tok_s"] if x is not None), default=None)
+        if decode is not None and ours_decode is not None:
+            line += f", decode {ours_decode / decode:.2f}x"
     return line
 
 

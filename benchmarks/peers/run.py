@@ -9,9 +9,9 @@ Workloads on the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF file of `ll
 greedy, EOS ignored, every engine given the same prompt token ids:
   batch64 / batch8 / batch1: the chat prompts of benchmarks/offline_throughput.py, 128 new tokens;
   long16: 16 prompts of 2,000 tokens each, 256 new tokens (KV cache of 2 GiB for every engine).
-  Before it every engine runs 16 other prompts of the same length with 1 new token: their wall
-  time is the prefill seconds; decode tok/s is 16 x 255 tokens over the long16 wall minus that
-  (a different prompt set, so that no engine's prefix cache turns the real run into a hit).
+  After it every engine runs 16 other prompts of the same length with 1 new token (another set,
+  so that no prefix cache hits): their wall is the prefill seconds; decode tok/s is 16 x 255
+  tokens over the long16 wall minus that ("n/a" when drift made the prefill pass the longer).
 llama.cpp runs batch1 only (no batched generation in llama-cpp-python).
 `--model gemma3` runs the Gemma 3 270M Q4_K_M workloads of gemma3.py instead.
 
