@@ -179,7 +179,7 @@ AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
 }
 
 // The largest of n scores, 8 lanes at a time (a max is exact in any order; the scalar
-// std::max_element took about a tenth of a long prefill's attention).
+// std::max_element took about a fifth of a long prefill's attention).
 AVX2_INLINE float max_of(const float *sc, int n) {
   float mx = sc[0];
   int t = 0;
