@@ -21,7 +21,7 @@ def main() -> None:
     spec = load_workloads(args)
     from llama_cpp import Llama
 
-    if spec.get("llamacpp_no_repack"):
+    if spec.get("llamacpp_no_repack") or has_amx():
         no_repack()
     longest = max(len(p) + w["max_tokens"] for w in spec["workloads"].values() for p in w["prompts"])
     threads = len(os.sched_getaffinity(0))
@@ -36,9 +36,15 @@ def main() -> None:
     emit("llama.cpp", cold_start, rss, run_workloads(spec, generate))
 
 
+def has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_tile" in f.read()
+
+
 def no_repack() -> None:
-    """Loads weights without llama.cpp's extra (repacking) buffer types: its AMX repack of the
-    Gemma 3 270M file crashes the first decode (SIGSEGV) on these machines."""
+    """Loads weights without llama.cpp's extra (repacking) buffer types. On a CPU with AMX its
+    AMX matmul (`ggml_backend_amx_mul_mat`, llama-cpp-python 0.3.36) crashes the first decode
+    with SIGSEGV, on the Gemma 3 270M file and on SmolLM2's Q4_1 file alike."""
     import llama_cpp
     from llama_cpp import llama
 

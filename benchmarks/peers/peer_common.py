@@ -66,7 +66,11 @@ class PeakRss:
 
 
 def run_workloads(spec: dict, generate: Callable[[list[list[int]], int], list[list[int]]]) -> dict:
-    """Times generate(prompts, max_tokens) -> token ids per prompt on every workload."""
+    """Times generate(prompts, max_tokens) -> token ids per prompt on every workload. A workload
+    with `prefill_prompts` (as many, as long, other tokens) then times those with 1 new token
+    (after the timed run, so that it runs warm and the timed run means what it always did):
+    `prefill_s`, and `decode_tok_s` = the tokens after each prompt's first over the rest of the
+    timed wall (None when the machine's drift made the prefill pass the longer)."""
     results = {}
     for name, w in spec["workloads"].items():
         t = time.perf_counter()
@@ -76,6 +80,13 @@ def run_workloads(spec: dict, generate: Callable[[list[list[int]], int], list[li
         if count != len(w["prompts"]) * w["max_tokens"]:
             raise RuntimeError(f"{name}: got {count} tokens, expected {len(w['prompts'])} x {w['max_tokens']}")
         results[name] = {"tok_s": count / wall, "wall_s": wall, "tokens": tokens}
+        if w.get("prefill_prompts"):
+            t = time.perf_counter()
+            generate(w["prefill_prompts"], 1)
+            prefill_s = time.perf_counter() - t
+            decoded = count - len(w["prompts"])
+            results[name] |= {"prefill_s": prefill_s,
+                              "decode_tok_s": decoded / (wall - prefill_s) if wall > prefill_s else None}
     return results
 
 

@@ -22,7 +22,26 @@ def best_by_engine(rounds: list[list[dict]], workload: str) -> dict[str, dict]:
             e["tok_s"] = max(e["tok_s"], w["tok_s"])
             e["cold_start_s"] = min(e["cold_start_s"], run["cold_start_s"])
             e["peak_rss_gb"] = max(e["peak_rss_gb"], run["peak_rss_gb"])
+            if "prefill_s" in w:
+                e.setdefault("prefill_s", []).append(w["prefill_s"])
+                e.setdefault("decode_tok_s", []).append(w["decode_tok_s"])
     return out
+
+
+def prefill_decode(engine: str, e: dict, ours: dict | None, prompt_tokens: int) -> str:
+    """The prefill pass's best seconds and the best decode tok/s, with ours against this engine's."""
+    decodes = [x for x in e["decode_tok_s"] if x is not None]
+    prefill, decode = min(e["prefill_s"]), max(decodes, default=None)
+    rounds = ", ".join("n/a" if x is None else f"{x:.1f}" for x in e["decode_tok_s"])
+    line = (f"  {engine:<17} prefill {prefill:6.1f} s ({prompt_tokens / prefill:6.0f} prompt tok/s; rounds "
+            f"{', '.join(f'{x:.1f}' for x in e['prefill_s'])}), decode "
+            f"{'n/a' if decode is None else f'{decode:6.1f}'} tok/s (rounds {rounds})")
+    if ours is not None and ours is not e and "prefill_s" in ours:
+        line += f"; ours vs it: prefill {prefill / min(ours['prefill_s']):.2f}x"
+        ours_decode = max((x for x in ours["decode_tok_s"] if x is not None), default=None)
+        if decode is not None and ours_decode is not None:
+            line += f", decode {ours_decode / decode:.2f}x"
+    return line
 
 
 def identity(ours: list[list[int]], theirs: list[list[int]]) -> str:
@@ -64,6 +83,9 @@ def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: di
             rounds_s = ", ".join(f"{x:.1f}" for x in e["all"])
             print(f"  {engine:<17} {e['tok_s']:>10.1f}  {rounds_s:<22} {ratio:>10}  {e['cold_start_s']:>7.1f} "
                   f"{e['peak_rss_gb']:>11.2f}  {same}")
+        for engine, e in engines.items():
+            if "prefill_s" in e:
+                print(prefill_decode(engine, e, ours, sum(len(p) for p in w["prompts"])))
         if ours:
             print(f"  {shares(ours['tok_s'], w, costs, ceilings)}")
     for s in skipped:

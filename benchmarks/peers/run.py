@@ -9,6 +9,9 @@ Workloads on the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF file of `ll
 greedy, EOS ignored, every engine given the same prompt token ids:
   batch64 / batch8 / batch1: the chat prompts of benchmarks/offline_throughput.py, 128 new tokens;
   long16: 16 prompts of 2,000 tokens each, 256 new tokens (KV cache of 2 GiB for every engine).
+  After it every engine runs 16 other prompts of the same length with 1 new token (another set,
+  so that no prefix cache hits): their wall is the prefill seconds; decode tok/s is 16 x 255
+  tokens over the long16 wall minus that ("n/a" when drift made the prefill pass the longer).
 llama.cpp runs batch1 only (no batched generation in llama-cpp-python).
 `--model gemma3` runs the Gemma 3 270M Q4_K_M workloads of gemma3.py instead.
 
@@ -70,7 +73,8 @@ def build_workloads(names: list[str], quick: bool, bf16: bool = False) -> dict:
         "batch64": {"prompts": chat(64), "max_tokens": new_tokens},
         "batch8": {"prompts": chat(8), "max_tokens": new_tokens},
         "batch1": {"prompts": chat(1), "max_tokens": new_tokens},
-        "long16": {"prompts": long_prompts(tok, 16, 300 if quick else 2000), "max_tokens": 16 if quick else 256},
+        "long16": {"prompts": long_prompts(tok, 16, 300 if quick else 2000), "max_tokens": 16 if quick else 256,
+                   "prefill_prompts": long_prompts(tok, 16, 300 if quick else 2000, first=16)},
     }
     spec = {"gguf": str(gguf), "hf_dir": str(model_dir), "vllm_dir": str(model_dir),
             "workloads": {k: v for k, v in all_workloads.items() if k in names}}
@@ -79,15 +83,16 @@ def build_workloads(names: list[str], quick: bool, bf16: bool = False) -> dict:
     return spec
 
 
-def long_prompts(tok, n: int, length: int) -> list[list[int]]:
+def long_prompts(tok, n: int, length: int, first: int = 0) -> list[list[int]]:
     """n chat prompts of exactly `length` tokens: a user message of numbered notes (different
-    from the first note on, so no engine shares a prefix beyond the template), cut to fit."""
+    from the first note on, so no engine shares a prefix beyond the template), cut to fit.
+    `first` numbers the prompts from there: another set of the same shape, for the prefill pass."""
     head = tok.apply_chat_template([{"role": "user", "content": "X"}], add_generation_prompt=True, tokenize=False)
     before, after = head.split("X")
     pre = tok(before + "Summarize these notes.\n", add_special_tokens=False).input_ids
     post = tok(after, add_special_tokens=False).input_ids
     prompts = []
-    for i in range(n):
+    for i in range(first, first + n):
         notes = " ".join(f"Note {i}.{j}: robot {(i * 7919 + j * 104729) % 1000} carried crate {(i + 3 * j) % 97} "
                          f"to room {(5 * i + j) % 61}." for j in range(length // 8))
         body = tok(notes, add_special_tokens=False).input_ids[: length - len(pre) - len(post)]

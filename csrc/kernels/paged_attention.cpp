@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -25,22 +26,43 @@ constexpr int64_t kMinPositionsPerThread = 128;
 // memory on a worker thread, where an exception cannot become a Python error.
 constexpr int32_t kMaxContext = 1 << 24;
 
-// Queries attended together for one KV head: consecutive queries of one block-table row (the
-// tokens of a verification step or a short prefill chunk share their K/V), at most
-// kChunkQueries of them so that even one sequence's chunks keep both threads busy.
+// Queries attended together: consecutive queries of one block-table row (the tokens of a
+// verification step or a prefill chunk share their K/V), each K and V block read from memory
+// once for all of them and reused from L1. At least kChunkQueries, so that a few tokens still
+// keep both threads busy; as many as the call's queries allow up to kPrefillChunkQueries, so
+// that a long prefill reads its context 16 times less often than one span of 3 does (the
+// context's K/V, 1.5 MB each at 2,000 SmolLM2 positions, stream from L3 once per span).
 constexpr int kChunkQueries = 3;
+constexpr int kPrefillChunkQueries = 16;
 
 // Spans a thread needs before units take whole spans rather than one KV head of one.
 constexpr int kMinSpansPerThread = 4;
+
+// The largest span: kPrefillChunkQueries, or DEEPINFER_DP_PREFILL_SPAN (read once; 3 gives
+// the spans of before, for benchmarks/prefill_attention.py). A query's floats do not depend on it.
+int prefill_span_limit() {
+  static const int limit = [] {
+    const char *env = std::getenv("DEEPINFER_DP_PREFILL_SPAN");
+    const int v = env ? std::atoi(env) : 0;
+    return v >= 1 ? v : kPrefillChunkQueries;
+  }();
+  return limit;
+}
+
+// Queries a span: enough spans for every thread to take several, within [kChunkQueries, limit].
+int span_queries(int num_queries, int threads) {
+  const int fit = num_queries / (2 * kMinSpansPerThread * std::max(threads, 1));
+  return std::max(kChunkQueries, std::min(fit, prefill_span_limit()));
+}
 
 struct Span {
   int first, count;
 };
 
-std::vector<Span> query_spans(const int32_t *rows, int n) {
+std::vector<Span> query_spans(const int32_t *rows, int n, int most) {
   std::vector<Span> spans;
   for (int i = 0; i < n; ++i) {
-    if (rows && !spans.empty() && spans.back().count < kChunkQueries && rows[spans.back().first] == rows[i])
+    if (rows && !spans.empty() && spans.back().count < most && rows[spans.back().first] == rows[i])
       ++spans.back().count;
     else
       spans.push_back({i, 1});
@@ -156,9 +178,25 @@ AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
+// The largest of n scores, 8 lanes at a time (a max is exact in any order; the scalar
+// std::max_element took about a fifth of a long prefill's attention).
+AVX2_INLINE float max_of(const float *sc, int n) {
+  float mx = sc[0];
+  int t = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(sc);
+    for (t = 8; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  for (; t < n; ++t) mx = std::max(mx, sc[t]);
+  return mx;
+}
+
 // Softmax of n scores in place, 8 lanes at a time.
 __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
-  const float mx = *std::max_element(sc, sc + n);
+  const float mx = max_of(sc, n);
   const __m256 m = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
   int t = 0;
@@ -342,7 +380,7 @@ void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_
 void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const void *k_cache, const void *v_cache,
                               KvDtype dtype, const int32_t *block_tables, const int32_t *query_rows,
                               const int32_t *context_lens, float scale, float *out, int threads) {
-  const std::vector<Span> spans = query_spans(query_rows, s.num_queries);
+  const std::vector<Span> spans = query_spans(query_rows, s.num_queries, span_queries(s.num_queries, threads));
   // Enough spans to share among the threads: each takes all its KV heads in one pass, so its
   // cache blocks are read front to back (one KV head's rows alone are a strided stream).
   const int per_span = static_cast<int>(spans.size()) >= kMinSpansPerThread * threads ? 1 : s.num_kv_heads;
