@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
 #include <optional>
 #include <string>
@@ -23,6 +24,7 @@ namespace {
 using F32 = py::array_t<float, py::array::c_style>;
 using I32 = py::array_t<int32_t, py::array::c_style>;
 using I64 = py::array_t<int64_t, py::array::c_style>;
+using OptF32 = std::optional<F32>;
 
 void need(bool ok, const std::string &what) {
   if (!ok) throw py::value_error("llama_decode: " + what);
@@ -31,18 +33,23 @@ void need(bool ok, const std::string &what) {
 class DecodeStack {
  public:
   DecodeStack(int hidden, int heads, int kv_heads, int head_dim, int intermediate, float eps, const F32 &final_norm,
-              float final_eps)
-      : shape_{hidden, heads, kv_heads, head_dim, intermediate, 0, 0, KvDtype::kF32, eps}, final_norm_(final_norm),
-        final_eps_(final_eps) {
+              float final_eps, const std::string &activation)
+      : shape_{hidden, heads, kv_heads, head_dim, intermediate, 0, 0, KvDtype::kF32, eps, Activation::kSiLU},
+        final_norm_(final_norm), final_eps_(final_eps) {
+    need(activation == "silu" || activation == "gelu_tanh",
+         "unknown activation '" + activation + "' (silu, gelu_tanh)");
+    shape_.act = activation == "silu" ? Activation::kSiLU : Activation::kGeluTanh;
     need(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && intermediate > 0, "sizes must be positive");
     need(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
     need(final_norm.ndim() == 1 && final_norm.shape(0) == hidden, "final_norm must be [hidden]");
   }
 
   // Each projection is (weight, format, bias): format "f32" with weight [out, in] float32, or
-  // a packed format with weight [out, bytes per row] uint8; bias [out] or None.
+  // a packed format with weight [out, bytes per row] uint8; bias [out] or None. Norm weights
+  // are [hidden] (q_norm, k_norm [head_dim]); the optional ones are None where the layer has none.
   void add_layer(const py::tuple &qkv, const py::tuple &o, const py::tuple &gate_up, const py::tuple &down,
-                 const F32 &input_norm, const F32 &post_norm, float scale, int window) {
+                 const F32 &input_norm, const F32 &ffn_norm, float scale, int window, const OptF32 &attn_out_norm,
+                 const OptF32 &mlp_out_norm, const OptF32 &q_norm, const OptF32 &k_norm, int rope, int group) {
     const DecodeShape &s = shape_;
     const int q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
     DecodeLayer L;
@@ -50,16 +57,21 @@ class DecodeStack {
     L.o = linear(o, s.hidden, q, "o");
     L.gate_up = linear(gate_up, 2 * s.intermediate, s.hidden, "gate_up");
     L.down = linear(down, s.hidden, s.intermediate, "down");
-    need(input_norm.ndim() == 1 && input_norm.shape(0) == s.hidden && post_norm.ndim() == 1 &&
-             post_norm.shape(0) == s.hidden,
-         "norm weights must be [hidden]");
-    L.input_norm = input_norm.data();
-    L.post_norm = post_norm.data();
+    L.input_norm = norm_weight(input_norm, s.hidden, "input_norm");
+    L.ffn_norm = norm_weight(ffn_norm, s.hidden, "ffn_norm");
+    L.attn_out_norm = attn_out_norm ? norm_weight(*attn_out_norm, s.hidden, "attn_out_norm") : nullptr;
+    L.mlp_out_norm = mlp_out_norm ? norm_weight(*mlp_out_norm, s.hidden, "mlp_out_norm") : nullptr;
+    need(!q_norm == !k_norm, "q_norm and k_norm come together");
+    L.q_norm = q_norm ? norm_weight(*q_norm, s.head_dim, "q_norm") : nullptr;
+    L.k_norm = k_norm ? norm_weight(*k_norm, s.head_dim, "k_norm") : nullptr;
     L.scale = scale;
     need(window >= 0, "window must be >= 0 (0: no sliding window)");
     L.window = window;
-    keep_.push_back(input_norm);
-    keep_.push_back(post_norm);
+    need(rope >= 0 && group >= 0, "rope and group must be >= 0");
+    L.rope = rope;
+    L.group = group;
+    num_ropes_ = std::max(num_ropes_, rope + 1);
+    num_groups_ = std::max(num_groups_, group + 1);
     layers_.push_back(L);
     caches_bound_ = false;
   }
@@ -89,36 +101,52 @@ class DecodeStack {
     caches_bound_ = true;
   }
 
+  // cos/sin [ropes, T, head_dim] (or [T, head_dim] for one table); slots [T * groups] and
+  // block_tables [rows, blocks * groups] interleave the KV groups as the scheduler hands them
+  // over (entry i * groups + g is group g's).
   F32 run(const F32 &embeddings, const F32 &cos, const F32 &sin, const I64 &slots, const I32 &block_tables,
           const I32 &context_lens, const std::optional<I32> &query_rows, int threads) {
     need(caches_bound_, "caches are not set (set_caches after the last add_layer)");
     need(embeddings.ndim() == 2 && embeddings.shape(0) > 0 && embeddings.shape(0) <= INT_MAX &&
              embeddings.shape(1) == shape_.hidden,
          "embeddings must be [T > 0, hidden]");
-    const int T = static_cast<int>(embeddings.shape(0));
-    need(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
-             cos.shape(1) == shape_.head_dim && sin.shape(1) == shape_.head_dim,
-         "cos and sin must be [T, head_dim]");
-    need(slots.ndim() == 1 && slots.shape(0) == T && context_lens.ndim() == 1 && context_lens.shape(0) == T,
-         "slots and context_lens need one entry per token");
-    need(block_tables.ndim() == 2 && block_tables.shape(1) > 0, "block_tables must be [rows, blocks]");
+    const int T = static_cast<int>(embeddings.shape(0)), G = num_groups_;
+    check_rope(cos, T, "cos");
+    check_rope(sin, T, "sin");
+    need(slots.ndim() == 1 && slots.shape(0) == static_cast<int64_t>(T) * G && context_lens.ndim() == 1 &&
+             context_lens.shape(0) == T,
+         "slots need one entry per token and KV group (" + std::to_string(G) + "), context_lens one per token");
+    need(block_tables.ndim() == 2 && block_tables.shape(1) > 0 && block_tables.shape(1) % G == 0,
+         "block_tables must be [rows, blocks * KV groups (" + std::to_string(G) + ")]");
     need(!query_rows || (query_rows->ndim() == 1 && query_rows->shape(0) == T), "query_rows needs one entry per token");
     need(query_rows || block_tables.shape(0) == T, "without query_rows, block_tables needs one row per token");
     need(threads >= 1, "threads must be >= 1");
     const int64_t capacity = static_cast<int64_t>(shape_.num_blocks) * shape_.block_size;
-    // Copies of the indices, checked: the step runs without the GIL.
-    const std::vector<int64_t> slot(slots.data(), slots.data() + T);
-    for (int64_t x : slot) need(x >= 0 && x < capacity, "slot " + std::to_string(x) + " outside the cache");
-    const std::vector<int32_t> tables(block_tables.data(), block_tables.data() + block_tables.size());
+    // Copies of the indices, one table and slot list per group, checked: the step runs without the GIL.
+    const int rows_n = static_cast<int>(block_tables.shape(0)), nb = static_cast<int>(block_tables.shape(1)) / G;
+    std::vector<int64_t> slot(static_cast<size_t>(T) * G);
+    std::vector<int32_t> tables(static_cast<size_t>(rows_n) * nb * G);
+    for (int g = 0; g < G; ++g) {
+      for (int t = 0; t < T; ++t) {
+        const int64_t x = slots.data()[static_cast<size_t>(t) * G + g];
+        need(x >= 0 && x < capacity, "slot " + std::to_string(x) + " outside the cache");
+        slot[static_cast<size_t>(g) * T + t] = x;
+      }
+      for (size_t e = 0; e < static_cast<size_t>(rows_n) * nb; ++e)
+        tables[static_cast<size_t>(g) * rows_n * nb + e] = block_tables.data()[e * G + g];
+    }
     const std::vector<int32_t> lens(context_lens.data(), context_lens.data() + T);
     std::vector<int32_t> rows;
     if (query_rows) rows.assign(query_rows->data(), query_rows->data() + T);
-    DecodeStep step{T, cos.data(), sin.data(), slot.data(), tables.data(), static_cast<int>(block_tables.shape(0)),
-                    static_cast<int>(block_tables.shape(1)), lens.data(), query_rows ? rows.data() : nullptr};
-    const PagedAttentionShape ps{T, step.num_rows, shape_.heads, shape_.kv_heads, shape_.head_dim,
-                                 shape_.block_size, step.max_blocks, shape_.num_blocks};
-    const std::string error = paged_context_error(ps, step.block_tables, step.query_rows, step.context_lens);
-    need(error.empty(), error);
+    DecodeStep step{T, cos.data(), sin.data(), slot.data(), tables.data(), rows_n, nb, lens.data(),
+                    query_rows ? rows.data() : nullptr};
+    const PagedAttentionShape ps{T, rows_n, shape_.heads, shape_.kv_heads, shape_.head_dim,
+                                 shape_.block_size, nb, shape_.num_blocks};
+    for (int g = 0; g < G; ++g) {
+      const std::string error = paged_context_error(ps, tables.data() + static_cast<size_t>(g) * rows_n * nb,
+                                                    step.query_rows, step.context_lens);
+      need(error.empty(), error);
+    }
     std::vector<float> hidden(embeddings.data(), embeddings.data() + embeddings.size());
     F32 out({T, shape_.hidden});
     float *dst = out.mutable_data();
@@ -130,8 +158,23 @@ class DecodeStack {
   }
 
   int num_layers() const { return static_cast<int>(layers_.size()); }
+  int num_groups() const { return num_groups_; }
 
  private:
+  // cos or sin: [ropes, T, head_dim], or [T, head_dim] when the layers use one table.
+  void check_rope(const F32 &a, int T, const char *name) const {
+    const bool one = a.ndim() == 2 && num_ropes_ == 1 && a.shape(0) == T && a.shape(1) == shape_.head_dim;
+    const bool many = a.ndim() == 3 && a.shape(0) == num_ropes_ && a.shape(1) == T && a.shape(2) == shape_.head_dim;
+    need(one || many, std::string(name) + " must be [" + std::to_string(num_ropes_) + " RoPE tables, T, head_dim]" +
+                          (num_ropes_ == 1 ? " or [T, head_dim]" : ""));
+  }
+
+  const float *norm_weight(const F32 &w, int size, const char *name) {
+    need(w.ndim() == 1 && w.shape(0) == size, std::string(name) + " must be [" + std::to_string(size) + "]");
+    keep_.push_back(w);
+    return w.data();
+  }
+
   DecodeLinear linear(const py::tuple &spec, int out, int in, const char *name) {
     const std::string what = std::string(name) + ": ";
     need(spec.size() == 3, what + "want (weight, format, bias)");
@@ -172,6 +215,7 @@ class DecodeStack {
   std::vector<py::object> keep_;  // the arrays the layers point into
   std::vector<std::vector<py::array>> caches_;
   bool caches_bound_ = false;
+  int num_ropes_ = 1, num_groups_ = 1;  // RoPE tables and KV groups the layers use
 };
 
 }  // namespace
@@ -180,18 +224,21 @@ void bind_decode(py::module_ &m) {
   py::class_<DecodeStack>(m, "LlamaDecodeStack",
                           "A Llama-family decoder stack run as one call per step of a few tokens a sequence "
                           "(llama_decode.h): the same kernels, in the same order, as the module path.")
-      .def(py::init<int, int, int, int, int, float, const F32 &, float>(), py::arg("hidden"), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
-           py::arg("final_norm").noconvert(), py::arg("final_eps"))
+      .def(py::init<int, int, int, int, int, float, const F32 &, float, const std::string &>(), py::arg("hidden"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
+           py::arg("final_norm").noconvert(), py::arg("final_eps"), py::arg("activation") = "silu")
       .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("input_norm").noconvert(), py::arg("post_norm").noconvert(), py::arg("scale"),
-           py::arg("window") = 0)
+           py::arg("input_norm").noconvert(), py::arg("ffn_norm").noconvert(), py::arg("scale"),
+           py::arg("window") = 0, py::kw_only(), py::arg("attn_out_norm").noconvert() = py::none(),
+           py::arg("mlp_out_norm").noconvert() = py::none(), py::arg("q_norm").noconvert() = py::none(),
+           py::arg("k_norm").noconvert() = py::none(), py::arg("rope") = 0, py::arg("group") = 0)
       .def("set_caches", &DecodeStack::set_caches, py::arg("k_caches"), py::arg("v_caches"))
       .def("run", &DecodeStack::run, py::arg("embeddings").noconvert(), py::arg("cos").noconvert(),
            py::arg("sin").noconvert(), py::arg("slots").noconvert(), py::arg("block_tables").noconvert(),
            py::arg("context_lens").noconvert(), py::arg("query_rows").noconvert() = py::none(), py::arg("threads") = 1,
            "Hidden states after the final norm, [T, hidden], for the step's token embeddings [T, hidden].")
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def_property_readonly("num_groups", &DecodeStack::num_groups);
 }
 
 }  // namespace deepinfer

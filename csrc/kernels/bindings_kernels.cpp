@@ -134,21 +134,31 @@ void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, 
   split_rows(T, num_threads, [&](int begin, int end) { rms_norm_rows(xp, rp, wp, eps, op, H, begin, end); });
 }
 
-void silu_mul_py(const F32 &gate_up, F32 &out, int num_threads) {
-  need(gate_up.ndim() == 2 && out.ndim() == 2, "silu_mul", "want gate_up [T, 2I], out [T, I]");
-  const int T = dim(gate_up, 0, "silu_mul"), I = dim(out, 1, "silu_mul");
-  need(gate_up.shape(1) == 2 * static_cast<int64_t>(I) && out.shape(0) == T, "silu_mul",
+// An activation of a gated MLP (silu_mul, gelu_tanh_mul) over gate_up [T, 2I] -> out [T, I].
+template <void (*Act)(const float *, const float *, float *, int)>
+void gated_act_py(const F32 &gate_up, F32 &out, int num_threads, const char *op) {
+  need(gate_up.ndim() == 2 && out.ndim() == 2, op, "want gate_up [T, 2I], out [T, I]");
+  const int T = dim(gate_up, 0, op), I = dim(out, 1, op);
+  need(gate_up.shape(1) == 2 * static_cast<int64_t>(I) && out.shape(0) == T, op,
        "gate_up must be [T, 2I] for out [T, I]");
-  need(out.writeable(), "silu_mul", "out must be writable");
-  need(num_threads >= 1, "silu_mul", "num_threads must be >= 1");
+  need(out.writeable(), op, "out must be writable");
+  need(num_threads >= 1, op, "num_threads must be >= 1");
   const float *g = gate_up.data();
   float *o = out.mutable_data();
   py::gil_scoped_release release;
   split_rows(T, num_threads, [&](int begin, int end) {
     for (int t = begin; t < end; ++t)
-      silu_mul(g + static_cast<size_t>(t) * 2 * I, g + static_cast<size_t>(t) * 2 * I + I,
-               o + static_cast<size_t>(t) * I, I);
+      Act(g + static_cast<size_t>(t) * 2 * I, g + static_cast<size_t>(t) * 2 * I + I, o + static_cast<size_t>(t) * I,
+          I);
   });
+}
+
+void silu_mul_py(const F32 &gate_up, F32 &out, int num_threads) {
+  gated_act_py<silu_mul>(gate_up, out, num_threads, "silu_mul");
+}
+
+void gelu_tanh_mul_py(const F32 &gate_up, F32 &out, int num_threads) {
+  gated_act_py<gelu_tanh_mul>(gate_up, out, num_threads, "gelu_tanh_mul");
 }
 
 void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
@@ -218,6 +228,11 @@ void bind_kernels(py::module_ &m) {
         py::arg("num_threads") = 1,
         "out[t] = silu(gate_up[t, :I]) * gate_up[t, I:] over gate_up [T, 2I] float32 (e^x by Cephes'\n"
         "polynomial, the same for every element): the Llama MLP's activation on CPU. num_threads > 1\n"
+        "splits the rows.");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul_py, py::arg("gate_up").noconvert(), py::arg("out").noconvert(),
+        py::arg("num_threads") = 1,
+        "out[t] = gelu_tanh(gate_up[t, :I]) * gate_up[t, I:] over gate_up [T, 2I] float32 (GeGLU, Gemma's\n"
+        "MLP; tanh GELU as x / (1 + e^-z) with silu_mul's e^x, the same for every element). num_threads > 1\n"
         "splits the rows.");
   m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
         "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"

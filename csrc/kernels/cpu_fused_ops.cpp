@@ -116,6 +116,9 @@ int64_t masked_argmax_scalar(const float *x, const int32_t *mask, int v) {
   return best;
 }
 
+// z of gelu_tanh_mul: z = x * (kGeluC1 + kGeluC3 * x * x), 2 sqrt(2/pi) and 0.044715 times it.
+constexpr float kGeluC1 = 1.5957691216057308f, kGeluC3 = 0.0713548162726f;
+
 // expf by Cephes' polynomial, the same operations in the scalar and the vector version (the
 // file is built without contraction into fused multiply-adds), so both give the same bits.
 inline float exp_scalar(float x) {
@@ -163,6 +166,19 @@ __attribute__((target("avx2"))) int silu_mul_avx2(const float *g, const float *u
     const __m256 gv = _mm256_loadu_ps(g + i);
     const __m256 e = exp8(_mm256_sub_ps(zero, gv));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+  return i;
+}
+
+__attribute__((target("avx2"))) int gelu_tanh_mul_avx2(const float *g, const float *u, float *out, int n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  const __m256 c1 = _mm256_set1_ps(kGeluC1), c3 = _mm256_set1_ps(kGeluC3);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 z = _mm256_mul_ps(x, _mm256_add_ps(c1, _mm256_mul_ps(c3, _mm256_mul_ps(x, x))));
+    const __m256 e = exp8(_mm256_sub_ps(zero, z));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
   }
   return i;
 }
@@ -236,6 +252,18 @@ void silu_mul(const float *g, const float *u, float *out, int n) {
   if (avx2) i = silu_mul_avx2(g, u, out, n);
 #endif
   for (; i < n; ++i) out[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+}
+
+void gelu_tanh_mul(const float *g, const float *u, float *out, int n) {
+  int i = 0;
+#ifdef DEEPINFER_HAVE_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) i = gelu_tanh_mul_avx2(g, u, out, n);
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i], z = x * (kGeluC1 + kGeluC3 * (x * x));
+    out[i] = x / (1.0f + exp_scalar(0.0f - z)) * u[i];
+  }
 }
 
 }  // namespace deepinfer

@@ -27,6 +27,13 @@ void rotary_rows(float *x, int64_t row_stride, int heads, int d, const float *co
 // not depend on where it falls): the activation of the Llama MLP and of the MoE experts.
 void silu_mul(const float *g, const float *u, float *out, int n);
 
+// out = gelu_tanh(g) * u over n floats (GeGLU: Gemma's MLP), gelu_tanh the tanh-approximated
+// GELU 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed as the equal
+// x / (1 + e^-z), z = 2 sqrt(2/pi) (x + 0.044715 x^3), with silu_mul's e^x: the same bits in
+// the vector and the scalar tail, so the module path and the decode stack agree exactly
+// (torch's tanh GELU cannot be reproduced from C++ bit for bit).
+void gelu_tanh_mul(const float *g, const float *u, float *out, int n);
+
 // Index of the largest value of each row of width v (the first one on ties; a row holding
 // NaN gives its first NaN, as torch.argmax does).
 void argmax_rows(const float *x, int v, int64_t *out, int begin, int end);

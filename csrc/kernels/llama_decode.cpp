@@ -33,35 +33,51 @@ struct Buffers {
         other(normed.size()) {}
 };
 
-// Attention of one layer: normed -> b.attn [T, heads * head_dim], the K/V of the step stored.
+// Per-head RMSNorm in place on `heads` heads of size d at x (q or k of one token row).
+void norm_heads(float *x, const float *weight, int heads, int d, float eps) {
+  if (weight) rms_norm_rows(x, nullptr, weight, eps, x, d, 0, heads);
+}
+
+// Attention of one layer: normed -> b.attn [T, heads * head_dim], the K/V of the step stored
+// in the layer's KV group's slots, its RoPE table applied after any q/k norm.
 void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &step, Buffers &b, int threads) {
   const int T = step.tokens, D = s.head_dim, width = (s.heads + 2 * s.kv_heads) * D;
   project(L.qkv, b.normed.data(), b.qkv.data(), T, threads);
   const size_t q_bytes = sizeof(float) * s.heads * D, kv = static_cast<size_t>(s.kv_heads) * D;
+  const size_t rope_at = static_cast<size_t>(L.rope) * T * D;
+  const float *cos = step.cos + rope_at, *sin = step.sin + rope_at;
+  const int64_t *slots = step.slots + static_cast<size_t>(L.group) * T;
+  const int32_t *tables = step.block_tables + static_cast<size_t>(L.group) * step.num_rows * step.max_blocks;
   split_rows(T, threads, [&](int begin, int end) {
-    rotary_rows(b.qkv.data(), width, s.heads, D, step.cos, step.sin, begin, end);
-    rotary_rows(b.qkv.data() + s.heads * D, width, s.kv_heads, D, step.cos, step.sin, begin, end);
+    for (int t = begin; t < end; ++t) {
+      float *row = b.qkv.data() + static_cast<size_t>(t) * width;
+      norm_heads(row, L.q_norm, s.heads, D, s.eps);
+      norm_heads(row + s.heads * D, L.k_norm, s.kv_heads, D, s.eps);
+    }
+    rotary_rows(b.qkv.data(), width, s.heads, D, cos, sin, begin, end);
+    rotary_rows(b.qkv.data() + s.heads * D, width, s.kv_heads, D, cos, sin, begin, end);
     for (int t = begin; t < end; ++t) {
       const float *row = b.qkv.data() + static_cast<size_t>(t) * width;
       std::memcpy(b.q.data() + static_cast<size_t>(t) * s.heads * D, row, q_bytes);
-      kv_store(L.k_cache, s.kv_dtype, step.slots[t] * kv, row + s.heads * D, kv);
-      kv_store(L.v_cache, s.kv_dtype, step.slots[t] * kv, row + (s.heads + s.kv_heads) * D, kv);
+      kv_store(L.k_cache, s.kv_dtype, slots[t] * kv, row + s.heads * D, kv);
+      kv_store(L.v_cache, s.kv_dtype, slots[t] * kv, row + (s.heads + s.kv_heads) * D, kv);
     }
   });
   const PagedAttentionShape ps{T, step.num_rows, s.heads, s.kv_heads, D, s.block_size, step.max_blocks,
                                s.num_blocks, L.window};
-  paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, s.kv_dtype, step.block_tables, step.query_rows,
+  paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, s.kv_dtype, tables, step.query_rows,
                            step.context_lens, L.scale, b.attn.data(), threads);
 }
 
 // The MLP of one layer: normed -> out [T, hidden].
 void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *out, int threads) {
   const int I = s.intermediate;
+  const auto act = s.act == Activation::kGeluTanh ? gelu_tanh_mul : silu_mul;
   project(L.gate_up, b.normed.data(), b.gate_up.data(), T, threads);
   split_rows(T, threads, [&](int begin, int end) {
     for (int t = begin; t < end; ++t) {
       const float *g = b.gate_up.data() + static_cast<size_t>(t) * 2 * I;
-      silu_mul(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
+      act(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
     }
   });
   project(L.down, b.act.data(), out, T, threads);
@@ -84,9 +100,11 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
     const DecodeLayer &L = layers[i];
     attention(s, L, step, b, threads);
     project(L.o, b.attn.data(), next, T, threads);
-    norm(next, res, L.post_norm, s.eps, b.normed.data());
+    if (L.attn_out_norm) norm(next, nullptr, L.attn_out_norm, s.eps, next);  // in place: each row read first
+    norm(next, res, L.ffn_norm, s.eps, b.normed.data());
     std::swap(res, next);
     mlp(s, L, T, b, next, threads);
+    if (L.mlp_out_norm) norm(next, nullptr, L.mlp_out_norm, s.eps, next);
     const bool last = i + 1 == layers.size();
     norm(next, res, last ? final_norm : layers[i + 1].input_norm, last ? final_eps : s.eps,
          last ? out : b.normed.data());

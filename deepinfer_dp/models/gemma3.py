@@ -12,8 +12,10 @@ What sets it apart from the Llama layout, each as transformers computes it:
   feed-forward block, tied embeddings, and optional final logit soft-capping.
 
 The q/k/v and gate/up projections are fused as in llama.py (its loader and the packed
-loader build them alike). Steps run through the modules: the one-call C++ decode stack
-implements the Llama layer (one norm before each sublayer, SiLU), not this one.
+loader build them alike). On CPU, decode steps (and short prefill chunks) run through the
+one-call C++ decode stack (llama_cpu_decode.py) with this layer's layout: the norms after
+each sublayer, GeGLU (`_C.gelu_tanh_mul`, which the modules call too), a RoPE table per
+layer kind and each layer's KV group; the embedding scale and the soft-cap stay here.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_dp.layers.activation import gelu_tanh_and_mul
 from deepinfer_dp.layers.attention import ForwardContext
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
+from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode, StackLayout
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -71,8 +74,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -126,6 +128,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def make_model(self, config) -> nn.Module:
         return Gemma3Model(config, self.context)
+
+    def build_cpu_decode(self) -> LlamaCpuDecode | None:
+        model = self.model
+        if not all(type(layer) is Gemma3DecoderLayer and type(layer.mlp) is Gemma3MLP for layer in model.layers):
+            return None
+        layout = StackLayout(sandwich_norms=True, activation="gelu_tanh", embed_scale=model.embed_scale)
+        return LlamaCpuDecode.build(model, layout)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

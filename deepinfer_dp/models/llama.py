@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.context.attn_metadata = attn_metadata
         try:
             if self.cpu_decode is None:
-                self.cpu_decode = (_plain_llama(self.model) and LlamaCpuDecode.build(self.model)) or False
+                self.cpu_decode = self.build_cpu_decode() or False
             if inputs_embeds is None and self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
                 return self.cpu_decode(input_ids, positions, attn_metadata)
             if inputs_embeds is None:
@@ -231,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
             return self.model(input_ids, positions, inputs_embeds)
         finally:
             self.context.attn_metadata = None
+
+    def build_cpu_decode(self) -> LlamaCpuDecode | None:
+        """The one-call decode stack over this model's layers, or None where it does not apply
+        (a family with layers of its own overrides this)."""
+        return LlamaCpuDecode.build(self.model) if _plain_llama(self.model) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -161,6 +161,13 @@ class ModelRunner:
         self.placeholder_tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self.forward_time_s = 0.0  # host time in forward() (CPU: the whole pass; CUDA: the launches)
 
+    @property
+    def decode_stack_steps(self) -> int:
+        """Steps the one-call C++ decode stack ran (models/llama_cpu_decode.py); 0 for a model
+        that steps through its modules."""
+        stack = getattr(self.model, "cpu_decode", None)
+        return stack.steps if stack else 0
+
     def _allocate_kv_cache(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype) -> list:
         """Per layer its cache; with KV groups, layer j of every group shares tensor j."""
         groups = self.kv_groups

@@ -1,7 +1,8 @@
 """`_C.LlamaDecodeStack` (csrc/kernels/llama_decode.h) checks what it is handed: weights at
 add_layer, caches at set_caches, and every step's slots, block ids and shapes before it
-writes into the cache, each with a ValueError naming what was wrong. And `_C.silu_mul`, the
-activation it shares with the module path, against torch's silu within a few ulp.
+writes into the cache, each with a ValueError naming what was wrong (KV groups and RoPE tables
+included). And `_C.silu_mul` and `_C.gelu_tanh_mul`, the activations it shares with the module
+path, against torch's within a few ulp.
 (That the stack computes what the modules compute is tests/models/test_llama_cpu_decode.py.)"""
 
 from __future__ import annotations
@@ -79,6 +80,43 @@ def test_misuse_names_what_was_wrong():
     stack.set_caches(k, v)
     with pytest.raises(ValueError, match="embeddings must be"):
         stack.run(**{**step(), "embeddings": f32(1, H + 1)})
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        _C.LlamaDecodeStack(H, HEADS, KV, D, INTER, 1e-5, np.ones(H, np.float32), 1e-5, "relu")
+    with pytest.raises(ValueError, match=r"q_norm must be \[4\]"):
+        stack.add_layer(*layer_args(), q_norm=np.ones(H, np.float32), k_norm=np.ones(D, np.float32))
+
+
+def layer_args():
+    return ((f32((HEADS + 2 * KV) * D, H), "f32", None), (f32(H, HEADS * D), "f32", None),
+            (f32(2 * INTER, H), "f32", None), (f32(H, INTER), "f32", None), np.ones(H, np.float32),
+            np.ones(H, np.float32), 0.5)
+
+
+def test_kv_groups_and_rope_tables_are_checked_per_step():
+    """Two layers in two KV groups with two RoPE tables: a step needs a slot per token and
+    group, tables interleaving both groups, and cos/sin per table; each layer writes its
+    group's slot (both share one cache pair here)."""
+    stack = _C.LlamaDecodeStack(H, HEADS, KV, D, INTER, 1e-5, np.ones(H, np.float32), 1e-5, "gelu_tanh")
+    stack.add_layer(*layer_args(), rope=0, group=0)
+    stack.add_layer(*layer_args(), q_norm=np.ones(D, np.float32), k_norm=np.ones(D, np.float32), rope=1, group=1)
+    assert stack.num_groups == 2
+    k, v = caches()
+    stack.set_caches(k * 2, v * 2)
+    good = {**step(), "cos": np.ones((2, 1, D), np.float32), "sin": np.zeros((2, 1, D), np.float32),
+            "slots": np.array([5, 9], np.int64), "block_tables": np.array([[0, 0, 1, 2]], np.int32)}
+    with pytest.raises(ValueError, match=r"cos must be \[2 RoPE tables, T, head_dim\]"):
+        stack.run(**{**good, "cos": np.ones((1, D), np.float32)})
+    with pytest.raises(ValueError, match=r"slots need one entry per token and KV group \(2\)"):
+        stack.run(**{**good, "slots": np.array([5], np.int64)})
+    with pytest.raises(ValueError, match=r"block_tables must be \[rows, blocks \* KV groups \(2\)\]"):
+        stack.run(**{**good, "block_tables": np.array([[0, 1, 2]], np.int32)})
+    with pytest.raises(ValueError, match="block id outside the cache"):
+        stack.run(**{**good, "block_tables": np.array([[0, 0, 1, BLOCKS]], np.int32)})
+    assert not k[0].any()
+    out = stack.run(**good)
+    assert np.isfinite(out).all()
+    written = [(b, o) for b in range(BLOCKS) for o in range(BS) if k[0][b, o].any()]
+    assert written == [(1, 1), (2, 1)]  # slot 5 (group 0) and slot 9 (group 1)
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (3, 13), (5, 64)])
@@ -93,3 +131,24 @@ def test_silu_mul_is_torch_silu_times_up_within_a_few_ulp(rows, inter):
     assert torch.equal(row[0], out[-1])
     with pytest.raises(ValueError, match=r"silu_mul: gate_up must be \[T, 2I\]"):
         _C.silu_mul(gate_up.numpy(), torch.empty(rows, inter + 1).numpy())
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (3, 13), (5, 64)])
+def test_gelu_tanh_mul_is_torch_tanh_gelu_times_up(rows, inter):
+    """Against float64 (x * sigmoid(2 * inner), the same function without 1 + tanh's loss of
+    bits where tanh nears -1) within what rounding the float32 argument costs, and against
+    torch's float32 tanh GELU; a row's values do not depend on its neighbours."""
+    gate_up = torch.from_numpy(f32(rows, 2 * inter, seed=rows) * 40)  # reaches e^x's clamped range
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
+    out = torch.empty(rows, inter)
+    _C.gelu_tanh_mul(gate_up.numpy(), out.numpy())
+    gate, up = gate_up.split(inter, dim=-1)
+    x = gate.double()
+    exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x ** 3)) * up.double()
+    torch.testing.assert_close(out.double(), exact, rtol=2e-5, atol=1e-30)
+    torch.testing.assert_close(out, torch.nn.functional.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+    row = torch.empty(1, inter)
+    _C.gelu_tanh_mul(gate_up[-1:].contiguous().numpy(), row.numpy())
+    assert torch.equal(row[0], out[-1])
+    with pytest.raises(ValueError, match=r"gelu_tanh_mul: gate_up must be \[T, 2I\]"):
+        _C.gelu_tanh_mul(gate_up.numpy(), torch.empty(rows, inter + 1).numpy())

@@ -51,6 +51,7 @@ def test_real_gemma3_270m_q4_k_m_matches_transformers(gemma3_gguf):
     params = SamplingParams(max_tokens=32, **GREEDY)
     ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     assert llm.llm_engine.scheduler.stats["prefix_hit_tokens"] > 0
+    assert llm.llm_engine.worker.runner.decode_stack_steps >= 31  # decode steps ran the one-call C++ stack
     oracle = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name,
                                                   dtype=torch.float32).eval()
     oracle.generation_config.eos_token_id = None
@@ -88,6 +89,7 @@ def test_real_gemma3_270m_past_its_window_keeps_only_the_window(gemma3_gguf):
             table = list(seq.block_table)
             most_held = [max(m, sum(1 for b in table[g::6] if b)) for g, m in enumerate(most_held)]
     total = -(-(len(prompt) + 23) // 16)
+    assert engine.worker.runner.decode_stack_steps >= 23  # through the C++ stack, each layer its group's table
     assert most_held[0] == total and max(most_held[1:]) <= 512 // 16 + 256 // 16 + 1 < total
     oracle = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name,
                                                   dtype=torch.float32).eval()

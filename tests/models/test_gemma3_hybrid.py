@@ -48,6 +48,7 @@ def test_greedy_matches_transformers_in_groups(hybrid_dir, count, max_tokens):
     llm = check_greedy(hybrid_dir, count, max_tokens, num_kv_blocks=6 * 128 + 1)
     config = llm.llm_engine.scheduler.config  # one full and five sliding groups of one layer
     assert (config.num_kv_groups, config.num_full_kv_groups, config.sliding_window) == (6, 1, WINDOW)
+    assert llm.llm_engine.worker.runner.decode_stack_steps >= max_tokens - 1  # through the one-call C++ stack
 
 
 def test_sliding_groups_keep_only_the_window(hybrid_dir):

@@ -65,6 +65,8 @@ def check_greedy(path, count: int, max_tokens: int, num_kv_blocks: int = 512, **
 def test_sliding_window_matches_transformers(sliding_model, count, max_tokens):
     llm = check_greedy(sliding_model[1], count, max_tokens)
     assert llm.llm_engine.max_model_len == 512  # not capped at the window
+    # Decode steps ran the one-call C++ stack (Qwen2: each layer reading its KV group's table).
+    assert llm.llm_engine.worker.runner.decode_stack_steps >= max_tokens - 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
