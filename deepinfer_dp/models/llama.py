@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.context.attn_metadata = attn_metadata
         try:
             if self.cpu_decode is None:
-                self.cpu_decode = (_plain_llama(self.model) and LlamaCpuDecode.build(self.model)) or False
+                self.cpu_decode = (plain_llama(self.model) and LlamaCpuDecode.build(self.model)) or False
             if inputs_embeds is None and self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
                 return self.cpu_decode(input_ids, positions, attn_metadata)
             if inputs_embeds is None:
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def _plain_llama(model: LlamaModel) -> bool:
+def plain_llama(model: LlamaModel) -> bool:
     """Every layer is this file's decoder layer with its dense MLP (what the CPU decode stack
     runs): a family's own layers (MoE, DeepSeek's) go through the modules."""
     return all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is LlamaMLP for layer in model.layers)
