@@ -64,3 +64,19 @@ def test_mixed_fused_projections_stay_packed_and_match_transformers(tmp_path):
     assert all(isinstance(m, PackedLinear) for name, m in model.named_modules() if name.endswith("_proj"))
     # 4 KV groups (one a layer): a sequence of 512 positions holds 4 x 128 blocks at most
     check_greedy(path, 4, 24, num_kv_blocks=4 * 128 + 1)
+
+
+def test_a_fused_projection_with_a_part_not_packed_is_widened_with_a_warning(caplog):
+    """A part no packed kernel runs (widened by the converter: F16, IQ formats) leaves its
+    projection an fp32 matrix, and the load says which."""
+    from torch import nn
+
+    from deepinfer_dp.layers.packed import PackedWeight
+    from deepinfer_dp.models import packed_loader
+
+    gate = PackedWeight(np.ascontiguousarray(quantize(np.ones((4, 256), np.float32), "q4_k")), "q4_k", 256)
+    weights = {"gate.weight": gate, "up.weight": torch.ones(4, 256)}
+    linear, used = nn.Linear(256, 8, bias=False), set()
+    with caplog.at_level("WARNING", logger=packed_loader.logger.name):
+        assert packed_loader._packed(linear, weights, used, ["gate.weight", "up.weight"]) is linear
+    assert not used and "gate.weight + up.weight widened to fp32 at load" in caplog.text
