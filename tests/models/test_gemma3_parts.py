@@ -64,6 +64,11 @@ def test_mixed_fused_projections_stay_packed_and_match_transformers(tmp_path):
     assert all(isinstance(m, PackedLinear) for name, m in model.named_modules() if name.endswith("_proj"))
     # 4 KV groups (one a layer): a sequence of 512 positions holds 4 x 128 blocks at most
     check_greedy(path, 4, 24, num_kv_blocks=4 * 128 + 1)
+    # bf16 arithmetic: a matrix of parts becomes one bf16 matrix, of its widened values rounded
+    bf16 = load_model(str(path), torch.bfloat16, "cpu").model.model.layers[1].self_attn.qkv_proj
+    assert type(bf16) is PackedLinear and bf16.weight_packed.format == "bf16_pairs"
+    want = model.model.layers[1].self_attn.qkv_proj.weight_packed.widen().to(torch.bfloat16).float()
+    assert torch.equal(bf16.weight_packed.widen(), want)
 
 
 def test_a_fused_projection_with_a_part_not_packed_is_widened_with_a_warning(caplog):
