@@ -50,7 +50,7 @@ class PackedParts:
 
     @property
     def format(self) -> str:
-        """The parts' formats in row order, e.g. "q4_k+q4_k+q6_k"."""
+        """The parts' formats in row order, e.g. "q4_k+q6_k"."""
         return "+".join(p.format for p in self.parts)
 
     def linear(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray, threads: int) -> None:
