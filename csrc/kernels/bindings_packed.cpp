@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "packed_linear.h"
+#include "packed_parts.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -97,9 +99,58 @@ void packed_gather_py(const U8 &weight, const std::string &format, int cols, con
   for (int t = 0; t < T; ++t) widen_row(w, static_cast<int>(idp[t]), op_ + static_cast<size_t>(t) * cols);
 }
 
+// A fused matrix of packed parts in different formats (packed_parts.h), checked once; it holds
+// its parts' arrays so their bytes outlive it.
+class PackedPartsPy {
+ public:
+  PackedPartsPy(const std::vector<U8> &weights, const std::vector<std::string> &formats, int cols)
+      : arrays_(weights) {
+    const char *op = "PackedParts";
+    need(!weights.empty() && weights.size() == formats.size(), op, "want one format per part, and a part");
+    for (size_t i = 0; i < weights.size(); ++i) {
+      parts_.push_back(matrix(arrays_[i], formats[i], cols, op));
+      need(parts_.back().format != WeightFormat::kBF16Pairs, op, "bf16_pairs cannot be a part");
+    }
+    rows_ = packed_parts_rows(parts_);
+    cols_ = cols;
+  }
+
+  void linear(const F32 &x, const std::optional<F32> &bias, F32 &out, int num_threads) const {
+    const char *op = "PackedParts.linear";
+    need(x.ndim() == 2 && out.ndim() == 2, op, "want x [M, K], out [M, N]");
+    need(x.shape(1) == cols_, op, "x's K differs from the weight's cols");
+    const int M = static_cast<int>(x.shape(0));
+    need(out.shape(0) == M && out.shape(1) == rows_, op, "out must be [M, N]");
+    need(out.writeable(), op, "out must be writable");
+    need(!bias || (bias->ndim() == 1 && bias->shape(0) == rows_), op, "bias must be [N]");
+    need(num_threads >= 1, op, "num_threads must be >= 1");
+    const float *xp = x.data(), *bp = bias ? bias->data() : nullptr;
+    float *yp = out.mutable_data();
+    py::gil_scoped_release release;
+    packed_parts_threaded(xp, parts_, bp, yp, M, num_threads);
+  }
+
+  int rows() const { return rows_; }
+
+ private:
+  std::vector<U8> arrays_;
+  PackedParts parts_;
+  int rows_ = 0, cols_ = 0;
+};
+
 }  // namespace
 
 void bind_packed_kernels(py::module_ &m) {
+  py::class_<PackedPartsPy>(m, "PackedParts",
+                            "A matrix whose row ranges are packed in different formats (a fused q/k/v or\n"
+                            "gate/up projection): the parts' [rows_i, bytes per row] uint8 arrays in row order.")
+      .def(py::init<const std::vector<U8> &, const std::vector<std::string> &, int>(), py::arg("weights"),
+           py::arg("formats"), py::arg("cols"))
+      .def("linear", &PackedPartsPy::linear, py::arg("x").noconvert(), py::arg("bias").noconvert() = py::none(),
+           py::arg("out").noconvert(), py::arg("num_threads") = 1,
+           "out[M, rows] = x[M, cols] @ W.T (+ bias), each part's rows by its own format's kernel: bit for\n"
+           "bit what `linear` gives on the widened matrix. num_threads > 1 splits the rows by bytes.")
+      .def_property_readonly("rows", &PackedPartsPy::rows);
   m.def("packed_linear", &packed_linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
         py::arg("format"), py::arg("cols"), py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(),
         py::arg("num_threads") = 1,

@@ -169,7 +169,10 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
 }
 
 int packed_thread_parts(const PackedMatrix &w, int rows, int threads) {
-  const int64_t bytes = static_cast<int64_t>(rows) * static_cast<int64_t>(w.row_bytes);
+  return packed_thread_parts_of_bytes(static_cast<int64_t>(rows) * static_cast<int64_t>(w.row_bytes), threads);
+}
+
+int packed_thread_parts_of_bytes(int64_t bytes, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kMinBytesPerThread)));
 }
 

@@ -13,6 +13,8 @@
 // rows".
 #pragma once
 
+#include <cstdint>
+
 #include "packed_weights.h"
 
 namespace deepinfer {
@@ -25,6 +27,9 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
 
 // How many threads `rows` rows of w are worth splitting across (at most `threads`).
 int packed_thread_parts(const PackedMatrix &w, int rows, int threads);
+
+// How many threads a product reading `bytes` packed bytes is worth splitting across.
+int packed_thread_parts_of_bytes(int64_t bytes, int threads);
 
 // packed_linear_columns over all of w's rows, split across up to `threads` threads of the
 // shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay).

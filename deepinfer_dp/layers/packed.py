@@ -129,6 +129,10 @@ class PackedWeight:
         data = np.concatenate([blocks[..., :2], q8], axis=-1).reshape(self.rows, -1)
         return PackedWeight(np.ascontiguousarray(data), "q8_0", self.cols)
 
+    def linear(self, x: np.ndarray, bias: np.ndarray | None, out: np.ndarray, threads: int) -> None:
+        """out [M, rows] = x [M, cols] @ W.T (+ bias) in the packed kernel."""
+        _C.packed_linear(x, self.data, self.format, self.cols, bias, out, threads)
+
     def widen(self, begin: int = 0, end: int | None = None, out: torch.Tensor | None = None,
               threads: int = 1) -> torch.Tensor:
         """Rows [begin, end) as fp32 [end - begin, cols] (into `out` when given)."""
@@ -154,7 +158,8 @@ def _widen_buffer(floats: int) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b with W packed; x and y fp32 on CPU."""
+    """y = x Wᵀ + b with W packed; x and y fp32 on CPU. (PackedPartsLinear, packed_parts.py,
+    runs this over a matrix whose parts differ in format.)"""
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -173,10 +178,8 @@ class PackedLinear(nn.Module):
             out = self._widened_gemm(x2)
         else:
             out = torch.empty(rows, self.out_features)
-            w = self.weight_packed
             bias = None if self.bias is None else self.bias.detach().numpy()
-            _C.packed_linear(x2.numpy(), w.data, w.format, w.cols, bias, out.numpy(),
-                             cpu_threads.kernel_threads())
+            self.weight_packed.linear(x2.numpy(), bias, out.numpy(), cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:

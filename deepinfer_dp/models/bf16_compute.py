@@ -31,10 +31,14 @@ def to_bf16_compute(model: nn.Module) -> int:
                 if PackedWeight.fits_pairs(w.rows, w.cols):
                     if id(w) not in converted:
                         converted[id(w)] = w.to_bf16_pairs()
-                    child.weight_packed = converted[id(w)]
+                    if type(child) is PackedLinear:
+                        child.weight_packed = converted[id(w)]
+                    else:  # parts in different formats (PackedPartsLinear): now one bf16 matrix
+                        bias = None if child.bias is None else child.bias.detach()
+                        setattr(parent, name, PackedLinear(converted[id(w)], bias))
                     count += 1
             elif isinstance(child, nn.Linear) and PackedWeight.fits_pairs(*child.weight.shape):
-                # a fused projection whose parts differ in format, widened at load
+                # a matrix widened at load (--no-packed-weights, or a format no kernel runs)
                 bf16 = PackedWeight.from_bf16(child.weight.detach().to(torch.bfloat16)).to_bf16_pairs()
                 setattr(parent, name, PackedLinear(bf16, None if child.bias is None else child.bias.detach()))
                 count += 1

@@ -129,10 +129,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_model(self, config) -> nn.Module:
         return Gemma3Model(config, self.context)
 
+    def stack_layers(self) -> bool:
+        return all(type(layer) is Gemma3DecoderLayer and type(layer.mlp) is Gemma3MLP for layer in self.model.layers)
+
     def build_cpu_decode(self) -> LlamaCpuDecode | None:
         model = self.model
-        if not all(type(layer) is Gemma3DecoderLayer and type(layer.mlp) is Gemma3MLP for layer in model.layers):
-            return None
         layout = StackLayout(sandwich_norms=True, activation="gelu_tanh", embed_scale=model.embed_scale)
         return LlamaCpuDecode.build(model, layout)
 

@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.context.attn_metadata = attn_metadata
         try:
             if self.cpu_decode is None:
-                self.cpu_decode = self.build_cpu_decode() or False
+                self.cpu_decode = (self.stack_layers() and self.build_cpu_decode()) or False
             if inputs_embeds is None and self.cpu_decode and self.cpu_decode.applies(input_ids, attn_metadata):
                 return self.cpu_decode(input_ids, positions, attn_metadata)
             if inputs_embeds is None:
@@ -232,10 +232,15 @@ class LlamaForCausalLM(nn.Module):
         finally:
             self.context.attn_metadata = None
 
+    def stack_layers(self) -> bool:
+        """Every layer is one the one-call decode stack runs (this file's decoder layer with
+        its dense MLP); a family with layers of its own (MoE, DeepSeek's) overrides this.
+        The packed loader asks too: only stack layers need single-format matrices."""
+        return all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is LlamaMLP for layer in self.model.layers)
+
     def build_cpu_decode(self) -> LlamaCpuDecode | None:
-        """The one-call decode stack over this model's layers, or None where it does not apply
-        (a family with layers of its own overrides this)."""
-        return LlamaCpuDecode.build(self.model) if _plain_llama(self.model) else None
+        """The one-call decode stack over this model's layers, or None where it does not apply."""
+        return LlamaCpuDecode.build(self.model)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -287,12 +292,6 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-
-
-def _plain_llama(model: LlamaModel) -> bool:
-    """Every layer is this file's decoder layer with its dense MLP (what the CPU decode stack
-    runs): a family's own layers (MoE, DeepSeek's) go through the modules."""
-    return all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is LlamaMLP for layer in model.layers)
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:

@@ -7,16 +7,22 @@ file itself takes seconds: its 49k-token vocabulary); other GGUF types (F16, the
 formats) are widened to fp32 at load, and the converter logs which.
 Hugging Face directories: bf16 matrices stay bf16. Norms and biases are widened to fp32 (they are small).
 
-A fused projection (q/k/v, gate/up) is packed when all its parts share one format, or all
-are Q4_0/Q5_0/Q8_0 (then as Q8_0, which holds their values exactly: Gemma 3's Q4_K_M file
-has Q5_0 q/k next to a Q8_0 v); otherwise it is widened. The embedding of a tied model is packed once and serves as the
-lm_head too, so the lm_head runs from the stored embedding (Q8_0 in the default model):
-it is a fifth of a decode step's arithmetic and a third of its weight bytes.
+A fused projection (q/k/v, gate/up) whose parts share one format is one packed matrix; one
+whose parts differ keeps each part in its stored format as one PackedParts matrix (a Llama
+Q4_K_M file's Q4_K q/k next to a Q6_K v; Gemma 3 270M's Q5_0 q/k next to a Q8_0 v). In a model
+of plain Llama layers, parts that are all Q4_0/Q5_0/Q8_0 run as one Q8_0 matrix instead, which
+holds their values exactly: a single format keeps the layer on the one-call decode stack.
+
+The embedding of a tied model is packed once and serves as the lm_head too, so the lm_head
+runs from the stored embedding (Q8_0 in the default model): it is a fifth of a decode step's
+arithmetic and a third of its weight bytes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,12 +31,14 @@ from safetensors import safe_open
 from torch import nn
 
 from deepinfer_dp.layers.packed import EXACT_IN_Q8_0, PackedEmbedding, PackedLinear, PackedWeight
+from deepinfer_dp.layers.packed_parts import PackedParts, PackedPartsLinear
 from deepinfer_dp.models.default_model import PACKED_FILE
 
 if TYPE_CHECKING:
     from deepinfer_dp.models.llama import LlamaForCausalLM
 
 Weights = dict[str, "torch.Tensor | PackedWeight"]
+logger = logging.getLogger(__name__)
 
 
 def read_packed_dir(model_dir: Path, files: list[Path]) -> Weights:
@@ -78,14 +86,16 @@ def build_packed_model(model_class: type[LlamaForCausalLM], config, weights: Wei
 def _install_packed(model: LlamaForCausalLM, weights: Weights) -> set[str]:
     """Swaps in packed modules; returns the checkpoint names they consumed."""
     used: set[str] = set()
+    # Only the one-call decode stack needs single-format matrices.
+    lift = model.stack_layers()
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _packed(attn.qkv_proj, weights, used,
-                                [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+                                [p + f"self_attn.{x}_proj.weight" for x in "qkv"], lift)
         attn.o_proj = _packed(attn.o_proj, weights, used, [p + "self_attn.o_proj.weight"])
         mlp.gate_up_proj = _packed(mlp.gate_up_proj, weights, used,
-                                   [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                                   [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], lift)
         mlp.down_proj = _packed(mlp.down_proj, weights, used, [p + "mlp.down_proj.weight"])
     embed = weights.get("model.embed_tokens.weight")
     if isinstance(embed, PackedWeight):
@@ -101,14 +111,29 @@ def _install_packed(model: LlamaForCausalLM, weights: Weights) -> set[str]:
     return used
 
 
-def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str]) -> nn.Module:
+def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str],
+            lift_to_q8_0: bool = False) -> nn.Module:
+    """`linear` as a packed module over the checkpoint matrices `names` (its fused parts), or
+    `linear` itself when they cannot all stay packed. `lift_to_q8_0`: parts that are all
+    Q4_0/Q5_0/Q8_0 become one Q8_0 matrix rather than parts in their own formats."""
     parts = [weights.get(n) for n in names]
     if not all(isinstance(w, PackedWeight) for w in parts) or len({w.cols for w in parts}) != 1:
+        if len(parts) > 1 and any(isinstance(w, PackedWeight) for w in parts):
+            logger.warning("%s widened to fp32 at load: not every part is a packed matrix of one width",
+                           " + ".join(names))
         return linear  # widened at load, as an fp32 nn.Linear
-    if len({w.format for w in parts}) > 1 and all(w.format in EXACT_IN_Q8_0 for w in parts):
-        parts = [w.as_q8_0() for w in parts]  # exact: Q4_0/Q5_0 values are Q8_0 values
-    if len({w.format for w in parts}) != 1:
-        return linear
     used.update(names)
+    if lift_to_q8_0 and len({w.format for w in parts}) > 1 and all(w.format in EXACT_IN_Q8_0 for w in parts):
+        # Exact (Q4_0/Q5_0 values are Q8_0 values): more bytes than the parts as stored, but
+        # one format keeps the layer on the one-call decode stack.
+        parts = [w.as_q8_0() for w in parts]
+    # Adjacent parts of one format are one part (a Q4_K_M file's Q4_K q and k).
+    runs = [_joined(list(run)) for _, run in groupby(parts, key=lambda w: w.format)]
     # The bias stays a (meta) parameter: load_weights fills it in like any other.
-    return PackedLinear(parts[0] if len(parts) == 1 else PackedWeight.concat(parts), linear.bias)
+    if len(runs) == 1:
+        return PackedLinear(runs[0], linear.bias)
+    return PackedPartsLinear(PackedParts(tuple(runs)), linear.bias)
+
+
+def _joined(parts: list[PackedWeight]) -> PackedWeight:
+    return parts[0] if len(parts) == 1 else PackedWeight.concat(parts)

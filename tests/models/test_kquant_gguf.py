@@ -1,7 +1,8 @@
 """A GGUF file mixing formats as a Q4_K_M / Q5_K_M file does (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1,
 Q4_0, Q8_0, with an F16 matrix no packed kernel runs): its matrices stay packed in their stored format,
-the F16 one is widened with a log line naming it, and greedy output equals transformers on
-the same file's tensors as gguf dequantizes them."""
+fused projections whose parts differ too (each part in its own), the F16 one is widened with a
+log line naming it, and greedy output equals transformers on the same file's tensors as gguf
+dequantizes them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import LLM, SamplingParams
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear
+from deepinfer_dp.layers.packed_parts import PackedPartsLinear
 from deepinfer_dp.models import convert_gguf, load_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -25,7 +27,7 @@ FORMATS = {
     "blk.0.attn_output.weight": "q5_0", "blk.0.ffn_gate.weight": "q4_k", "blk.0.ffn_up.weight": "q4_k",
     "blk.0.ffn_down.weight": "q6_k",
     "blk.1.attn_q.weight": "q5_0", "blk.1.attn_k.weight": "q4_0", "blk.1.attn_v.weight": "q8_0",
-    "blk.1.attn_output.weight": "q5_1", "blk.1.ffn_gate.weight": "q5_k", "blk.1.ffn_up.weight": "q5_k",
+    "blk.1.attn_output.weight": "q5_1", "blk.1.ffn_gate.weight": "q5_k", "blk.1.ffn_up.weight": "q4_k",
     "blk.1.ffn_down.weight": "f16",
 }
 
@@ -45,13 +47,18 @@ def test_k_quant_gguf_runs_packed_and_matches_transformers(kquant_gguf, caplog):
                if isinstance(m, (PackedLinear, PackedEmbedding))}
     assert formats == {
         "model.embed_tokens": "q4_k", "lm_head": "q6_k",
-        # layer 0's q/k/v differ in format: that fused projection is widened
+        # layer 0's Q4_K q and k and Q6_K v: one matrix of two parts, each as stored
+        "model.layers.0.self_attn.qkv_proj": "q4_k+q6_k",
         "model.layers.0.self_attn.o_proj": "q5_0", "model.layers.0.mlp.gate_up_proj": "q4_k",
         "model.layers.0.mlp.down_proj": "q6_k",
         # Q5_0 q, Q4_0 k and Q8_0 v (as Gemma 3's Q4_K_M file mixes them) run as one exact Q8_0 matrix
         "model.layers.1.self_attn.qkv_proj": "q8_0", "model.layers.1.self_attn.o_proj": "q5_1",
-        "model.layers.1.mlp.gate_up_proj": "q5_k",
+        "model.layers.1.mlp.gate_up_proj": "q5_k+q4_k",
     }
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedPartsLinear)
+    # nothing widened but the F16 matrix
+    assert [name for name, m in model.named_modules()
+            if name.endswith("_proj") and not isinstance(m, PackedLinear)] == ["model.layers.1.mlp.down_proj"]
     prompts = prompts_of_lengths([3, 17, 70, 9])
     llm = LLM(str(kquant_gguf), decode_sequence=False, max_num_batched_tokens=32, num_kv_blocks=64)
     ours = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
