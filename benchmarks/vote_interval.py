@@ -12,7 +12,9 @@ and one of two workloads: "all" (every rank gets --requests prompts of --prompt-
 run placeholder steps while the group votes, and nothing when alone). Every wave starts after a
 barrier of all ranks. Per setting and workload it prints rank 0's milliseconds per step (its
 wave's wall time over its steps: the vote's cost is what K=1 adds over alone; of which in
-LLMEngine.step and in Lockstep.vote, waiting for peers included), the steps of the
+LLMEngine.step and in Lockstep.vote, waiting for peers included; and the CPU time rank 0's
+process spent per step, all its threads, which waiting for a descheduled peer does not
+inflate the way it does the wall time), the steps of the
 wave, and the steps past rank 0's own work (what K costs at the end of a wave: up to K-1). On a
 2-core machine N processes share 2 cores, so at 4 and 8 ranks every step also waits for a
 descheduled peer; those rows bound the cost, they do not isolate it. Median of all repeats
@@ -48,9 +50,11 @@ def run_wave(engine, loop, groups, lockstep, requests: list[list[int]], params) 
         engine.add_request(prompt_token_ids=ids, sampling_params=params)
     dist.barrier(group=groups.cpu_group)
     steps, placeholders, start = engine.generate_step, engine.placeholder_steps, time.perf_counter()
+    cpu = time.process_time()
     in_step, in_placeholders = loop.step_time_s, loop.placeholder_step_time_s
     loop.run(lambda outputs: None)
-    return {"wall_s": time.perf_counter() - start, "steps": engine.generate_step - steps,
+    return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+            "steps": engine.generate_step - steps,
             "placeholders": engine.placeholder_steps - placeholders, "step_s": loop.step_time_s - in_step,
             "placeholder_s": loop.placeholder_step_time_s - in_placeholders,
             "vote_s": lockstep.allreduce_time_s if lockstep is not None else 0.0}
@@ -120,10 +124,12 @@ def report(world: int, ranks: list[list[dict]]) -> None:
             ms = [1000 * w["wall_s"] / w["steps"] for w in waves]
             in_step = [1000 * w["step_s"] / w["steps"] for w in waves]
             in_vote = [1000 * w["vote_s"] / w["steps"] for w in waves]
+            cpu = [1000 * w["cpu_s"] / w["steps"] for w in waves]
             past = [w["steps"] - statistics.median(own) for w in waves]
             others = [w["placeholders"] for r in ranks[1:] for w in r
                       if w["setting"] == setting and w["workload"] == workload]
             print(f"| {world} | {workload} | {setting} | {cell(ms)} | {cell(in_step)} | {cell(in_vote)} | "
+                  f"{cell(cpu)} | "
                   f"{cell([w['steps'] for w in waves], '.0f')} | "
                   f"{cell(past, '.0f')} | {cell(others or [0], '.0f')} |", flush=True)
 
@@ -150,9 +156,9 @@ def main() -> None:
         args.model = build_model()
     print(f"{os.cpu_count()} cores; rank 0's ms per step, the wave's steps, steps past rank 0's own work, "
           f"placeholder steps of each other rank; median of {args.repeats} repeats [min-max]")
-    print("| ranks | workload | setting | ms per step | of which in step() | in the vote | steps | "
+    print("| ranks | workload | setting | ms per step | of which in step() | in the vote | CPU ms per step | steps | "
           "steps past the work | others' placeholders |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for n in args.ranks:
         report(n, run_group(n, args))
 
