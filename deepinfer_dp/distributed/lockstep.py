@@ -77,7 +77,7 @@ class Lockstep:
         On the CPU group, a rank that has work knows the answer (MAX) already: it starts the
         collective and returns at once, and waits for it at its next vote. So a rank may run
         one step ahead of a slower peer instead of idling at every step's jitter; the votes
-        still pair up one per step, so every rank takes the same number of steps, and a rank
+        still pair up one per voting pass, so every rank takes the same number of steps, and a rank
         without work (which needs the answer) waits for it.
 
         Between voting passes (interval > 1) it answers True at once: the group assumes some
