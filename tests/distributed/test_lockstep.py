@@ -9,12 +9,13 @@ import os
 import pytest
 
 
-def _vote_then_fail(rank: int, port: int, mode: str, out, release) -> None:
+def _vote_then_fail(rank: int, port: int, mode: str, out, release, interval: int = 1) -> None:
     import torch
 
     from deepinfer_dp.distributed import Lockstep, LockstepError, init_dp_groups
 
-    lockstep = Lockstep(init_dp_groups(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=5))
+    lockstep = Lockstep(init_dp_groups(rank, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=5),
+                        interval=interval)
     for i in range(1000):
         if rank == 1 and i == 3:
             if mode == "die":
@@ -29,14 +30,16 @@ def _vote_then_fail(rank: int, port: int, mode: str, out, release) -> None:
     out.put("no error")
 
 
-@pytest.mark.parametrize("mode", ["die", "stuck"])
-def test_dead_or_stuck_peer_makes_the_vote_raise(mode):
+@pytest.mark.parametrize(("mode", "interval"), [("die", 1), ("stuck", 1), ("die", 4)])
+def test_dead_or_stuck_peer_makes_the_vote_raise(mode, interval):
+    """Voting every 4 passes, the dead peer is noticed at the next voting pass."""
     from deepinfer_dp.distributed.groups import serve_store
 
     store = serve_store()
     ctx = mp.get_context("spawn")
     out, release = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_vote_then_fail, args=(r, store.port, mode, out, release)) for r in range(2)]
+    procs = [ctx.Process(target=_vote_then_fail, args=(r, store.port, mode, out, release, interval))
+             for r in range(2)]
     for proc in procs:
         proc.start()
     try:
