@@ -93,6 +93,10 @@ class EngineConfig:
                                                               "$DEEPINFER_DP_TORCH_THREADS or torch's)")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks")
     dp_rank: int = _internal(0, "this process's DP rank", ge=0)
+    dp_vote_interval: int = Field(1, ge=1, description="DP ranks vote on whether any still has work every this "
+                                                       "many steps of a wave, and assume it between votes "
+                                                       "(vLLM: 32); a wave then ends up to this many - 1 "
+                                                       "placeholder steps late. Every rank must use the same")
     # Mixture-of-experts models (ignored by dense ones); vLLM's names.
     enable_expert_parallel: bool = Field(False, description="MoE models: each DP rank holds 1/dp_size of the "
                                                             "routed experts; MoE layers dispatch over the DP group")

@@ -62,6 +62,7 @@ def _write(tmp_path: Path, text: str) -> Path:
     ("zos: 3\n", "zos", "valid boolean"),
     ("block_size: 12\n", "block_size", "power of two"),
     ("block_size: 0\n", "block_size", "greater than or equal to 1"),
+    ("dp_vote_interval: 0\n", "dp_vote_interval", "greater than or equal to 1"),
     (f"dp_size: {(os.cpu_count() or 1) + 1}\ndevice: cpu\n", "dp_size", "available on this machine"),
     ("server:\n  port: 70000\n", "server.port", "65535"),
     ("ray:\n  placement_strategy: scatter\n", "ray.placement_strategy", "pack"),
@@ -107,8 +108,9 @@ def test_flags_override_the_file():
 
 
 def test_flags_without_a_file_and_bad_flag_value():
-    cfg = _parse(["--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    cfg = _parse(["--max-num-seqs", "4", "--no-enable-prefix-caching", "--dp-vote-interval", "32"])
     assert cfg.max_num_seqs == 4 and cfg.enable_prefix_caching is False and cfg.dp_size == 1
+    assert cfg.engine_config().dp_vote_interval == 32 and _parse([]).dp_vote_interval == 1
     with pytest.raises(ConfigError, match=r"^command line: invalid config: router.policy: "):
         _parse(["--router-policy", "fastest"])
 

@@ -173,7 +173,7 @@ class LLMEngine:
         """Steps in lockstep with the DP group `groups` (DPGroups) from now on; with expert
         parallelism the MoE layers dispatch over it too (a collective call: every rank of
         the group makes it). Called again with a re-formed group after a peer failed."""
-        self.lockstep = Lockstep(groups, use_cpu_group=self.config.zos)
+        self.lockstep = Lockstep(groups, use_cpu_group=self.config.zos, interval=self.config.dp_vote_interval)
         model = self.worker.runner.model
         if self.config.enable_expert_parallel and hasattr(model, "bind_ep_group"):
             from deepinfer_dp.distributed.moe_dispatch import init_ep_group
@@ -214,7 +214,7 @@ class LLMEngine:
                 or (self.images is not None and self.images.has_pending()))
 
     def vote(self, local: bool) -> bool:
-        """The DP vote: True if this rank (`local`) or any peer has work; one per step."""
+        """The DP vote: True if this rank (`local`) or any peer has work (Lockstep.vote)."""
         return local if self.lockstep is None else self.lockstep.vote(local)
 
     def step(self) -> list:

@@ -5,7 +5,8 @@ LLM.generate (one process, or each torchrun process), the in-process server engi
 
     take_work()                   the driver's new requests and aborts, between steps
     local = has local work?       the rank's own queues
-    unfinished = vote(local)      the DP vote: all_reduce(MAX) over the ranks (dp 1: local)
+    unfinished = vote(local)      the DP vote: all_reduce(MAX) over the ranks (dp 1: local);
+                                  with dp_vote_interval K, only every K-th pass asks (True between)
     step()                        while any rank has work: a real step, or a placeholder step
     flush_inflight_reqs()         when none has: the decode step ZOS kept in flight, once; leave
 
@@ -22,7 +23,8 @@ from typing import Any
 
 from deepinfer_dp.engine.llm_engine import LLMEngine
 
-NO_LOCKSTEP = {"lockstep_votes": 0, "allreduce_time_s": 0.0, "allreduce_wait_s": 0.0, "allreduce_collective_s": 0.0}
+NO_LOCKSTEP = {"lockstep_votes": 0, "passes_without_vote": 0, "dp_vote_interval": 1, "allreduce_time_s": 0.0,
+               "allreduce_wait_s": 0.0, "allreduce_collective_s": 0.0}
 
 
 class StepLoop:

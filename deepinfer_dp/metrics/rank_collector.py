@@ -36,6 +36,8 @@ RANK_METRICS: list[tuple[str, str, str, str]] = [
     ("prefix_cache_hits", "counter", "prefix_hit_tokens", "Prompt tokens found in the prefix cache."),
     ("allreduce_time_seconds", "counter", "allreduce_time_s",
      "Time spent in the lockstep all-reduce of has_unfinished_requests."),
+    ("lockstep_votes", "counter", "lockstep_votes",
+     "Lockstep votes the rank took part in: one a step, or one every dp_vote_interval steps of a wave."),
     ("step_time_seconds", "counter", "step_time_s", "Time spent in LLMEngine.step()."),
     ("placeholder_step_time_seconds", "counter", "placeholder_step_time_s",
      "Time spent in placeholder steps (part of step_time_seconds)."),

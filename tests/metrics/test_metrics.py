@@ -57,7 +57,8 @@ def _samples(text: str, name: str) -> dict[str, float]:
 RANK_SERIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "engine_steps_total",
                "placeholder_steps_total", "generation_tokens_total", "prompt_tokens_total", "rank_up",
                "step_time_seconds_total", "allreduce_time_seconds_total", "prefix_cache_hits_total",
-               "num_preemptions_total", "placeholder_step_time_seconds_total", "device_busy_seconds_total")
+               "num_preemptions_total", "placeholder_step_time_seconds_total", "device_busy_seconds_total",
+               "lockstep_votes_total")
 
 
 def test_metrics_carry_rank_series_and_server_histograms(server):
