@@ -35,14 +35,21 @@ def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: s
     """launch/torchrun_generate.py in 2 processes with expert parallelism and EP_ENGINE's
     options over PROMPTS (written beside `out`), its JSON results in `out`; past `timeout_s`
     its whole process group is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
-           "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
-           "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]), "--enable-expert-parallel",
-           "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")),
-           *extra_args]
+    args = [str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
+            "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
+            "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]), "--enable-expert-parallel",
+            "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")),
+            *extra_args]
     out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
+    return torchrun(args, 2, env, timeout_s)
+
+
+def torchrun(args: list[str], nproc: int, env: dict | None = None,
+             timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node nproc` of a script and its `args`, from the
+    repository root; past `timeout_s` its whole process group is killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
