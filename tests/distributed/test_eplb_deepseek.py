@@ -46,3 +46,23 @@ def test_deepseek_with_eplb_equals_without_and_dp1(case, tmp_path):
     history = rank0["eplb_balancedness_history"]
     assert history == rank1["eplb_balancedness_history"]
     assert history[0][1] < 0.8 and history[-1][1] > history[0][1] + 0.1, history
+
+
+@pytest.mark.slow
+def test_deepseek_mtp_drafting_with_eplb_equals_dp1(tmp_path_factory, tmp_path):
+    """With MTP drafting (K = 2) the decoder's experts move while the next-n layer's stay in
+    their static split, dispatched over the same group."""
+    model_dir = build_tiny_deepseek("v3", tmp_path_factory.mktemp("eplb_ds_mtp") / "v3-nextn", with_nextn=True)
+    skew_router(model_dir, HOT, 3.0, bias=1.0)
+    dp1 = dp1_ids(model_dir, PROMPTS, MAX_TOKENS)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    on = torchrun_traced(model_dir, tmp_path / "on.json", PROMPTS, "4,4",
+                         {**EP, "enable_eplb": True, "eplb_config": EPLB, "speculative_config": mtp},
+                         MAX_TOKENS, nproc=2)
+    assert on["token_ids"] == dp1
+    rank0, rank1 = on["rank_stats"]
+    assert rank0["eplb_switches"] == rank1["eplb_switches"] and rank0["eplb_rebalances"] >= 1
+    assert rank0["eplb_placement"] == rank1["eplb_placement"]
+    assert (rank0["mtp_local_experts"], rank1["mtp_local_experts"]) == ([0, 4], [4, 8])
+    assert rank0["spec_decode_num_drafts"] + rank1["spec_decode_num_drafts"] > 0
+    assert rank0["moe_collectives"] == rank1["moe_collectives"] > 0
