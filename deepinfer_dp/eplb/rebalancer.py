@@ -4,9 +4,10 @@ lockstep from inside the forward pass.
 Every rank enters every forward pass together (the MoE collectives need it; an idle rank
 runs placeholder steps), so a count of forward passes is a clock all ranks share without a
 message. The balancer keeps, per MoE layer, the token-slots this rank routed to each logical
-expert and to each rank over the last window_size passes. Every step_interval passes every
-rank all-reduces those counts (one collective), measures the balancedness, and runs the
-policy (eplb/policy.py) on the same integers, so all ranks arrive at the same placement.
+expert and to each rank over the last window_size passes. Every step_interval passes (and at
+the passes of force_steps) every rank all-reduces those counts (one collective), measures the
+balancedness, and runs the policy (eplb/policy.py) on the same integers, so all ranks arrive
+at the same placement.
 Then, one layer per forward pass, the experts whose slot changed move over the EP group (one
 all-to-all of their weights) and the layer switches maps: every rank at the same pass.
 A layer's output does not depend on the placement: every replica holds the same weights.
