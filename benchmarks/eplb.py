@@ -104,7 +104,7 @@ def every_round(rounds: int, sides: list[str], run) -> dict[str, list[dict]]:
 
 
 def _span(values: list[float], fmt: str) -> str:
-    return format(min(values), fmt) if len(values) == 1 else f"{min(values):{fmt}}-{max(values):{fmt}}"
+    return format(min(values), fmt) if min(values) == max(values) else f"{min(values):{fmt}}-{max(values):{fmt}}"
 
 
 def report(runs: dict[str, list[dict]], args) -> None:
