@@ -9,9 +9,9 @@ Workload: N prompts (default 16) of moe_ep.py's chat prompts, greedy, exactly --
 tokens each, all submitted at once, one torch thread per rank; a warm-up run of the same
 workload first (the balancer has rebalanced by the timed run; it keeps rebalancing every
 --step-interval passes during it). Each side runs in its own subprocess, the sides alternate
-over --rounds rounds and the best run counts. Prints tokens/s, each rank's MoE collective time
-(waiting for the slowest rank included) and share of compute, the balancedness readings, and
-the bytes and time of one rebalance.
+over --rounds rounds and every round counts. Prints tokens/s and each rank's MoE collective
+time (waiting for the slowest rank included) and share of compute, as ranges over the rounds,
+the balancedness readings, and the bytes and time of one rebalance.
 
     python benchmarks/eplb.py [--prompts 16] [--max-tokens 64] [--rounds 1] [--layers 2]
         [--hidden 512] [--moe-intermediate 256] [--hot 8] [--skew 3] [--redundant 4] [--step-interval 48]
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import ONE_THREAD_NO_RAY_AUTH, best_of_rounds, emit, run_child, self_command  # noqa: E402
+from harness import ONE_THREAD_NO_RAY_AUTH, emit, run_child, self_command  # noqa: E402
 from moe_ep import moe_config  # noqa: E402
 from offline_throughput import chat_prompts  # noqa: E402
 
@@ -93,25 +93,41 @@ def run_side(name: str, path: str, args) -> dict:
             "token_ids": [o.token_ids for outs in results for o in outs]}
 
 
-def report(sides: dict, args) -> None:
+def every_round(rounds: int, sides: list[str], run) -> dict[str, list[dict]]:
+    """Every side once per round, the sides one after the other (interleaved, so that a load
+    change on the machine hits every side); each side's runs, by side."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side in sides:
+            runs[side].append(run(side))
+    return runs
+
+
+def _span(values: list[float], fmt: str) -> str:
+    return format(min(values), fmt) if min(values) == max(values) else f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
+def report(runs: dict[str, list[dict]], args) -> None:
     print(f"workload: {args.prompts} prompts x {args.max_tokens} new tokens, greedy, DP=2 with EP, one torch "
           f"thread per rank; {args.layers} MoE layers, hidden {args.hidden}, 64 experts of {args.moe_intermediate}, "
           f"top-8, router rows of experts 0-{args.hot - 1} +-{args.skew}u; EPLB window = interval = "
-          f"{args.step_interval} passes, redundant {args.redundant}")
-    same = len({str(s["token_ids"]) for s in sides.values()}) == 1
-    print(f"greedy tokens identical across sides: {same}")
-    base = sides["ep"]["tok_per_s"]
-    for name, s in sides.items():
-        print(f"{name:20s} {s['tok_per_s']:7.1f} tok/s  {s['tok_per_s'] / base:.2f}x EP")
-        for i, r in enumerate(s["ranks"]):
-            share = 100 * r["collective_s"] / r["busy_s"] if r["busy_s"] else 0.0
-            print(f"    rank {i}: token-slots computed {r['slots']}, MoE collectives {r['collective_s']:.2f} s "
-                  f"= {share:.1f}% of compute")
+          f"{args.step_interval} passes, redundant {args.redundant}; {args.rounds} interleaved rounds, ranges "
+          f"over the rounds (load average at start {os.getloadavg()[0]:.1f})")
+    same = len({str(r["token_ids"]) for side in runs.values() for r in side}) == 1
+    print(f"greedy tokens identical across sides and rounds: {same}")
+    for name, side in runs.items():
+        print(f"{name:20s} {_span([r['tok_per_s'] for r in side], '.1f')} tok/s")
+        for i in range(len(side[0]["ranks"])):
+            ranks = [r["ranks"][i] for r in side]
+            shares = [100 * r["collective_s"] / r["busy_s"] if r["busy_s"] else 0.0 for r in ranks]
+            print(f"    rank {i}: token-slots computed {_span([r['slots'] for r in ranks], 'd')}, MoE collectives "
+                  f"{_span([r['collective_s'] for r in ranks], '.2f')} s = {_span(shares, '.1f')}% of compute")
+        s = side[-1]
         r0 = s["ranks"][0]
         if r0["eplb_rebalances"]:
             done = r0["eplb_rebalances"]
             moved = sum(r["eplb_moved_bytes"] for r in s["ranks"])
-            print(f"    balancedness readings: {[round(v, 3) for _, v in r0['eplb_balancedness_history']]}")
+            print(f"    balancedness readings: {[round(h[1], 3) for h in r0['eplb_balancedness_history']]}")
             print(f"    {done} rebalances since start: {moved / done / 2**20:.1f} MiB sent per rebalance (both "
                   f"ranks), {1000 * r0['eplb_move_s'] / done:.1f} ms moving per rebalance on rank 0")
 
@@ -143,7 +159,7 @@ def main() -> None:
         return run_child(self_command(__file__, "--side", name, "--model-dir", str(path), *passed), name,
                          ONE_THREAD_NO_RAY_AUTH)
 
-    report(best_of_rounds(args.rounds, args.sides, run, "tok_per_s"), args)
+    report(every_round(args.rounds, args.sides, run), args)
 
 
 if __name__ == "__main__":

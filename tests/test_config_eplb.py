@@ -50,3 +50,15 @@ def test_bad_keys_and_values_are_named(tmp_path):
     path.write_text("eplb_config:\n  step_interval: 0\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: invalid config: .*step_interval"):
         load_config_file(path)
+
+
+def test_force_steps_parse_and_must_increase(tmp_path):
+    path = tmp_path / "forced.yaml"
+    path.write_text("enable_expert_parallel: true\nenable_eplb: true\neplb_config:\n  force_steps: [3, 9]\n")
+    assert load_config_file(path).engine_config().eplb_config.force_steps == [3, 9]
+    flags = load_config(_parse(["--eplb-config", '{"force_steps": [5]}'])).engine_config()
+    assert flags.eplb_config.force_steps == [5] and EPLBConfig().force_steps == []
+    with pytest.raises(ValueError, match=r"eplb_config: force_steps: must be strictly increasing \(got \[9, 3\]\)"):
+        EngineConfig.from_kwargs(eplb_config={"force_steps": [9, 3]})
+    with pytest.raises(ValueError, match=r"eplb_config: force_steps.0: Input should be greater than or equal to 1"):
+        EngineConfig.from_kwargs(eplb_config={"force_steps": [0]})

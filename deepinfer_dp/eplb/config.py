@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class EPLBConfig(BaseModel):
@@ -17,6 +17,18 @@ class EPLBConfig(BaseModel):
                                                             "must divide evenly over the ranks")
     log_balancedness: bool = Field(False, description="log each layer's balancedness (mean / max tokens per "
                                                       "rank) at every rebalance")
+    force_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list, description="steps (forward passes since the EP group formed, the balancer's clock) "
+                                          "at which a rebalance starts besides every step_interval, moving any "
+                                          "layer whose placement changes however small the gain: to put a "
+                                          "rebalance at an exact step (tests, drills)")
+
+    @field_validator("force_steps")
+    @classmethod
+    def _increasing(cls, steps: list[int]) -> list[int]:
+        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+            raise ValueError("must be strictly increasing")
+        return steps
 
 
 def parse_eplb_config(value: EPLBConfig | dict[str, Any] | None) -> EPLBConfig:

@@ -4,9 +4,10 @@ lockstep from inside the forward pass.
 Every rank enters every forward pass together (the MoE collectives need it; an idle rank
 runs placeholder steps), so a count of forward passes is a clock all ranks share without a
 message. The balancer keeps, per MoE layer, the token-slots this rank routed to each logical
-expert and to each rank over the last window_size passes. Every step_interval passes every
-rank all-reduces those counts (one collective), measures the balancedness, and runs the
-policy (eplb/policy.py) on the same integers, so all ranks arrive at the same placement.
+expert and to each rank over the last window_size passes. Every step_interval passes (and at
+the passes of force_steps) every rank all-reduces those counts (one collective), measures the
+balancedness, and runs the policy (eplb/policy.py) on the same integers, so all ranks arrive
+at the same placement.
 Then, one layer per forward pass, the experts whose slot changed move over the EP group (one
 all-to-all of their weights) and the layer switches maps: every rank at the same pass.
 A layer's output does not depend on the placement: every replica holds the same weights.
@@ -50,8 +51,10 @@ class Rebalancer:
         self.moved_bytes = past.moved_bytes if past else 0
         self.move_s = past.move_s if past else 0.0
         self.balancedness: list[float] | None = None  # per layer, at the last rebalance
-        self.history: list[list] = past.history if past else []  # [pass, overall balancedness]
+        self.history: list[list] = past.history if past else []  # [pass, overall, per layer]
         self.switches: list[list[int]] = []  # [pass, layer, placement epoch] of this group
+        self.force_steps = set(config.force_steps)
+        self.forced = False  # a forced step is due
 
     def begin_step(self) -> None:
         """Called by the model at the start of every forward pass, on every rank."""
@@ -61,12 +64,15 @@ class Rebalancer:
                 self.window[row, i] = m.counts
                 m.counts.zero_()
         self.forwards += 1
-        if not self.moves and self.forwards % self.config.step_interval == 0:
-            self._plan()
+        # a forced step that falls while a rebalance still moves layers starts right after it
+        self.forced |= self.forwards in self.force_steps
+        if not self.moves and (self.forced or self.forwards % self.config.step_interval == 0):
+            self._plan(self.forced)
+            self.forced = False
         if self.moves:
             self._move_next_layer()
 
-    def _plan(self) -> None:
+    def _plan(self, forced: bool) -> None:
         totals = self.window.sum(dim=0).cpu()
         dispatcher = self.layers[0].dispatcher
         dispatcher.collective("expert load all-reduce", None,
@@ -76,14 +82,15 @@ class Rebalancer:
         self.balancedness = [balancedness(row) for row in per_rank]
         # vLLM's overall figure: the layers' mean loads over their max loads
         overall = float(per_rank.mean(axis=1).sum() / per_rank.max(axis=1).sum()) if per_rank.any() else 1.0
-        self.history = (self.history + [[self.forwards, overall]])[-LOG_ENTRIES:]
+        self.history = (self.history + [[self.forwards, overall, self.balancedness]])[-LOG_ENTRIES:]
         if self.config.log_balancedness:
             logger.info("EPLB at pass %d: balancedness %.3f overall, per layer %s", self.forwards, overall,
                         [round(b, 3) for b in self.balancedness])
         for i, (m, load) in enumerate(zip(self.maps, loads, strict=True)):
             placement = rebalance(load, m.phys_to_log, self.ep.size)
             now = balancedness(rank_loads(load, m.phys_to_log, self.ep.size))
-            if balancedness(rank_loads(load, placement, self.ep.size)) >= now + MIN_GAIN:
+            if (forced and not np.array_equal(placement, m.phys_to_log)) or \
+                    balancedness(rank_loads(load, placement, self.ep.size)) >= now + MIN_GAIN:
                 self.moves.append((i, placement))
 
     def _move_next_layer(self) -> None:
@@ -98,7 +105,7 @@ class Rebalancer:
             self.rebalances += 1
 
     def stats(self) -> dict:
-        return {"eplb_rebalances": self.rebalances,
+        return {"eplb_rebalances": self.rebalances, "eplb_passes": self.forwards,
                 "eplb_balancedness": self.history[-1][1] if self.history else None,
                 "eplb_balancedness_per_layer": self.balancedness,
                 "eplb_balancedness_history": self.history,

@@ -12,41 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from dp_utils import EP_ENGINE, GREEDY, PROMPTS, token_ids, torchrun_ep
-from moe_utils import build_tiny_moe
-
-HOT = (2, 3)
-EPLB = {"window_size": 6, "step_interval": 5, "num_redundant_experts": 2}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
-
-
-def skew_router(model_dir: Path, hot: tuple[int, ...], scale: float) -> None:
-    """Scales the router rows of `hot` experts in every MoE layer: they take most tokens."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    for name, tensor in tensors.items():
-        if name.endswith("block_sparse_moe.gate.weight"):
-            tensor[list(hot)] *= scale
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-@pytest.fixture(scope="module")
-def skewed_dir(tmp_path_factory) -> Path:
-    model_dir = build_tiny_moe("mixtral", tmp_path_factory.mktemp("eplb") / "mixtral")
-    skew_router(model_dir, HOT, 6.0)
-    return model_dir
-
-
-@pytest.fixture(scope="module")
-def dp1_token_ids(skewed_dir) -> list[list[int]]:
-    from deepinfer_dp.entrypoints.llm import LLM
-
-    llm = LLM(str(skewed_dir), decode_sequence=False, **EP_ENGINE)
-    ids = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    llm.shutdown()
-    return ids
+from dp_utils import torchrun_ep
+from eplb_utils import EPLB, NGRAM, dp1_token_ids, skewed_dir  # noqa: F401 (fixtures)
 
 
 def _run(model_dir: Path, out: Path, shard_sizes: str, backend: str, *extra: str) -> dict:
@@ -66,7 +33,7 @@ def _check_lockstep(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("shard_sizes", "backend"), [("4,4", "all_to_all"), ("7,1", "allgather_reducescatter")])
-def test_rebalancing_keeps_the_dp1_tokens(skewed_dir, dp1_token_ids, tmp_path, shard_sizes, backend):
+def test_rebalancing_keeps_the_dp1_tokens(skewed_dir, dp1_token_ids, tmp_path, shard_sizes, backend):  # noqa: F811
     result = _run(skewed_dir, tmp_path / "out.json", shard_sizes, backend)
     assert result["token_ids"] == dp1_token_ids
     _check_lockstep(result)
@@ -76,7 +43,7 @@ def test_rebalancing_keeps_the_dp1_tokens(skewed_dir, dp1_token_ids, tmp_path, s
 
 
 @pytest.mark.slow
-def test_rebalancing_under_speculative_decoding_keeps_the_dp1_tokens(skewed_dir, dp1_token_ids, tmp_path):
+def test_rebalancing_under_speculative_decoding_keeps_the_dp1_tokens(skewed_dir, dp1_token_ids, tmp_path):  # noqa: F811
     result = _run(skewed_dir, tmp_path / "out.json", "4,4", "all_to_all", "--speculative-config", json.dumps(NGRAM))
     assert result["token_ids"] == dp1_token_ids
     assert sum(s["spec_decode_num_drafts"] for s in result["rank_stats"]) > 0

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from dp_utils import EP_ENGINE, GREEDY, PROMPTS, token_ids
-from test_eplb_ep_dp import EPLB, dp1_token_ids, skewed_dir  # noqa: F401 (fixtures)
+from eplb_utils import EPLB, dp1_token_ids, skewed_dir  # noqa: F401 (fixtures)
 
 
 def _settled(llm, timeout_s: float = 20.0) -> list[dict]:

@@ -3,7 +3,9 @@ experts (top-2) plus 2 redundant slots, with a router skewed onto experts 2 and 
 rank 0 at first): every few passes both ranks all-reduce the window's loads, agree on a new
 placement and move the experts layer by layer. Every pass's output is bit-identical to the
 local computation of all experts before, across and after the moves; both ranks switched
-each layer at the same pass; the balancedness the balancer measured rose clearly."""
+each layer at the same pass; the balancedness the balancer measured rose clearly. With
+force_steps the rebalances start at exactly the passes given (one due during a move waits for
+it), still bit-identical."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def _layer(index: int, shard: tuple[int, ...]):
     return layer
 
 
-def _worker(rank: int, port: int, backend: str, out) -> None:
+def _worker(rank: int, port: int, backend: str, config: EPLBConfig, out) -> None:
     from deepinfer_dp.distributed.moe_dispatch import make_dispatcher
     from deepinfer_dp.eplb.rebalancer import Rebalancer
 
@@ -57,7 +59,7 @@ def _worker(rank: int, port: int, backend: str, out) -> None:
     dispatcher = make_dispatcher(backend, ep, EXPERTS)
     for layer in layers:
         layer.dispatcher = dispatcher
-    balancer = Rebalancer(CONFIG, layers, ep, None)
+    balancer = Rebalancer(config, layers, ep, None)
     outputs = []
     with torch.inference_mode():
         for step in range(PASSES):
@@ -70,12 +72,24 @@ def _worker(rank: int, port: int, backend: str, out) -> None:
 
 @pytest.fixture(scope="module", params=["all_to_all", "allgather_reducescatter"])
 def balanced(request) -> tuple[str, dict]:
-    got = _run(_worker, request.param)
+    got = _run(_worker, request.param, CONFIG)
     return request.param, got
 
 
-def test_outputs_are_bit_identical_to_all_experts_local(balanced):
-    _, got = balanced
+def test_forced_steps_rebalance_there_and_a_forced_step_during_a_move_waits_for_it():
+    """Forced at 2 (layer 0 switches at 2, layer 1 at 3), at 3 (still moving: it plans at 4)
+    and at 9; step_interval never comes."""
+    config = EPLBConfig(window_size=4, step_interval=1000, num_redundant_experts=REDUNDANT, force_steps=[2, 3, 9])
+    got = _run(_worker, "all_to_all", config)
+    stats0, stats1 = got[0][1], got[1][1]
+    assert stats0["eplb_switches"] == stats1["eplb_switches"]
+    assert stats0["eplb_switches"][:2] == [[2, 0, 1], [3, 1, 1]]
+    assert [h[0] for h in stats0["eplb_balancedness_history"]] == [2, 4, 9]
+    assert all(p in (2, 3, 4, 5, 9, 10) for p, _, _ in stats0["eplb_switches"])
+    _assert_bit_identical_to_all_experts_local(got)
+
+
+def _assert_bit_identical_to_all_experts_local(got: dict) -> None:
     full = [_layer(i, (0, 1)) for i in range(LAYERS)]
     for rank in (0, 1):
         for step, outputs in enumerate(got[rank][0]):
@@ -83,6 +97,11 @@ def test_outputs_are_bit_identical_to_all_experts_local(balanced):
             with torch.inference_mode():
                 for layer, result in zip(full, outputs, strict=True):
                     assert torch.equal(torch.from_numpy(result), layer.compute(x, ids, weights, False)), (rank, step)
+
+
+def test_outputs_are_bit_identical_to_all_experts_local(balanced):
+    _, got = balanced
+    _assert_bit_identical_to_all_experts_local(got)
 
 
 def test_both_ranks_switched_every_layer_at_the_same_pass(balanced):
