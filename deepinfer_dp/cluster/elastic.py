@@ -5,7 +5,8 @@ the model and serves with no group; they join the membership and every rank gets
 size M, the same machinery that takes a restarted rank back: idle ranks join at once, ranks in
 a wave leave it after a step they all agree on (the lockstep's regroup flag) with their
 requests intact. With expert parallelism each rank then holds its share of the experts for
-size M (LLMEngine.join_dp_group -> bind_ep_group reloads them from the checkpoint). The
+size M (LLMEngine.join_dp_group -> bind_ep_group moves them over the group:
+models/expert_regroup.py). The
 router sends to the new ranks as soon as they are members.
 
 Shrinking from N to M: ranks M..N-1 stop getting new requests and keep stepping with the

@@ -114,7 +114,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                            if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]
         self._bind_expert_tokens()
         self.balancer = None  # eplb.rebalancer.Rebalancer, under expert-parallel load balancing
-        self.source_dir: str | None = None  # the checkpoint, for reloading experts (set by the loader)
+        self.source_dir: str | None = None  # the checkpoint, for experts no member holds (set by the loader)
         self._past_collective_s = 0.0  # of dispatchers replaced by a re-formed group's
         self.regroups: list[dict] = []  # what each change of the EP group cost this rank (the last few)
 
