@@ -18,15 +18,17 @@ class Stream:
     error: dict | None = None
     times: list[float] = field(default_factory=list)  # monotonic arrival of each token event
 
-    def gap_across(self, t: float) -> float | None:
-        """The gap between this stream's last event before `t` and its first after it; None
-        when it has none on one side."""
-        before = [x for x in self.times if x <= t]
-        after = [x for x in self.times if x > t]
-        return after[0] - before[-1] if before and after else None
+    def stall_after(self, t: float) -> tuple[float, float] | None:
+        """For a stream with events on both sides of `t`: its longest gap between two events
+        that ends after `t`, and when that gap ended (seconds after `t`); else None. (The first
+        event after `t` may be a token made before it, still on its way.)"""
+        if not self.times or self.times[0] > t or self.times[-1] <= t:
+            return None
+        return max((b - a, b - t) for a, b in zip(self.times, self.times[1:], strict=False) if b > t)
 
-    def longest_gap(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+    def longest_gap_before(self, t: float) -> float:
+        """The longest gap between two events before `t`: the jitter of an undisturbed stream."""
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False) if b <= t), default=0.0)
 
 
 async def timed_stream(http: httpx.AsyncClient, body: dict) -> Stream:

@@ -141,8 +141,8 @@ def test_100_streams_through_grow_shrink_and_a_lost_rank(moe_dir, expected, ray_
                 pid = deployment.rank_infos()[1]["pid"]
                 streams, killed_at = await _kill_mid_way(http, pid)
                 _check(streams, expected[NUM_STREAMS:])
-                gaps = [g for g in (s.gap_across(killed_at) for s in streams) if g is not None]
-                print(f"kill: {len(gaps)} streams ran across it, longest gap {max(gaps, default=0):.2f}s")
+                stalls = [g for g in (s.stall_after(killed_at) for s in streams) if g is not None]
+                print(f"kill: {len(stalls)} streams ran across it, longest gap {max(stalls, default=(0, 0))[0]:.2f}s")
                 health = (await http.get("/health")).json()
                 assert health["status"] == "ok" and [r["dp_rank"] for r in health["ranks"]] == [0], health
                 metrics = (await http.get("/metrics")).text
