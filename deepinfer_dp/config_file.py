@@ -49,6 +49,11 @@ class RouterSection(_Section):
         "auto", description="CURVE authentication and encryption of every data-plane socket, loopback "
                             "included (auto and on are the same); off is unsafe: any local process can "
                             "then drive the cluster and stop its ranks")
+    rank_loss: Literal["restart", "shrink"] = Field(
+        "restart", description="what a dead DP rank leads to: restart (its requests fail, a new process "
+                               "replaces it, up to max_rank_restarts) or shrink (the survivors re-form without "
+                               "it for good, take over its requests by recompute and its experts; "
+                               "docs/elastic.md)")
     spare_rank: bool = Field(True, description="keep one idle rank process with its imports done (CPU "
                                                "ranks), so that a dead rank is replaced faster")
     data_plane_host: str = Field("127.0.0.1", min_length=1, description="the address the router's and the "

@@ -5,7 +5,8 @@ the model and serves with no group; they join the membership and every rank gets
 size M, the same machinery that takes a restarted rank back: idle ranks join at once, ranks in
 a wave leave it after a step they all agree on (the lockstep's regroup flag) with their
 requests intact. With expert parallelism each rank then holds its share of the experts for
-size M (LLMEngine.join_dp_group -> bind_ep_group reloads them from the checkpoint). The
+size M (LLMEngine.join_dp_group -> bind_ep_group moves them over the group:
+models/expert_regroup.py). The
 router sends to the new ranks as soon as they are members.
 
 Shrinking from N to M: ranks M..N-1 stop getting new requests and keep stepping with the
@@ -53,7 +54,7 @@ class ElasticScaler:
         self.reform_timeout_s = 2 * collective_timeout_s + 10.0
 
     def state(self) -> dict[str, Any]:
-        return {"group_size": len(self._router.membership.ranks), "scaling": self.scaling,
+        return {"group_size": self._router.membership.size(), "scaling": self.scaling,
                 "scale_events": dict(self.events)}
 
     # ---- one change ------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class ElasticScaler:
         """The change begin() claimed; what it did ({"old_size", "new_size", "seconds",
         "migrated"}), or ScaleError 503."""
         started, membership = time.monotonic(), self._router.membership
-        old_size, migrated = len(membership.ranks), self._router.log.migrated
+        old_size, migrated = membership.size(), self._router.log.migrated
         try:
             if new_size > old_size:
                 self._grow(new_size)
@@ -106,7 +107,7 @@ class ElasticScaler:
         if membership.liveness is None:
             raise ScaleError(400, "this router has no launcher to start or stop ranks with")
         with self._lock:
-            down = [r for r in membership.ranks if not r.up]
+            down = [r for r in membership.ranks if not r.up and not r.removed]
         if down:
             raise ScaleError(503, f"DP rank {down[0].dp_rank} is down ({down[0].down_reason}); the group "
                                   "can change size once every rank is up")
@@ -114,12 +115,18 @@ class ElasticScaler:
     # ---- growing ---------------------------------------------------------------------------
     def _grow(self, new_size: int) -> None:
         membership = self._router.membership
-        old_size = len(membership.ranks)
+        old_size = membership.size()
+        # the holes ranks lost for good left (rank_loss: shrink) are filled first
+        holes = [r.dp_rank for r in membership.ranks if r.removed][:new_size - old_size]
+        first, end = len(membership.ranks), len(membership.ranks) + new_size - old_size - len(holes)
         try:  # nothing changed yet if this fails: the launcher stopped what it had started
-            addresses = membership.liveness.start_ranks(list(range(old_size, new_size)), new_size)
+            refills = [(i, membership.liveness.restart(i)) for i in holes]
+            addresses = membership.liveness.start_ranks(list(range(first, end)), new_size) if end > first else []
         except Exception as e:
-            raise ScaleError(503, f"starting DP ranks {old_size}..{new_size - 1} failed, the group stays at "
-                                  f"{old_size}: {type(e).__name__}: {e}") from e
+            raise ScaleError(503, f"starting DP ranks {holes + list(range(first, end))} failed, the group stays "
+                                  f"at {old_size}: {type(e).__name__}: {e}") from e
+        for i, address in refills:
+            membership.refill(i, address)
         membership.add_ranks(addresses)
         self._await(membership.reform(), new_size)
 
@@ -127,7 +134,8 @@ class ElasticScaler:
     def _shrink(self, new_size: int, drain_timeout_s: float) -> None:
         router, membership = self._router, self._router.membership
         with self._lock:
-            leaving = membership.ranks[new_size:]
+            leaving = [r for r in membership.ranks if not r.removed][new_size:]
+            cut = leaving[0].dp_rank  # the ranks from here on leave (holes included)
             for r in leaving:
                 r.leaving = True
         deadline = time.monotonic() + max(0.0, drain_timeout_s)
@@ -135,7 +143,7 @@ class ElasticScaler:
             time.sleep(POLL_S)
         with self._lock:
             moves = [router.take_off(rid) for r in leaving for rid in sorted(r.inflight)]
-            membership.remove_ranks(new_size)
+            membership.remove_ranks(cut)
             wave = membership.reform()  # before the moved requests: a staying rank joins, then takes them
             staying = membership.accepting()
             for msg in moves:
@@ -144,7 +152,7 @@ class ElasticScaler:
                     router.send_to(membership.ranks[router.policy.choose(msg.prompt_token_ids, load)], msg)
         if moves:
             logger.warning("moved %d request(s) of the leaving DP rank(s) by recompute", len(moves))
-        membership.liveness.stop_ranks(new_size)
+        membership.liveness.stop_ranks(cut)
         self._await(wave, new_size)
 
     def _inflight(self, ranks: list) -> int:
@@ -156,7 +164,7 @@ class ElasticScaler:
         deadline = time.monotonic() + self.reform_timeout_s
         while True:
             with self._lock:
-                missing = [r.dp_rank for r in self._router.membership.ranks if r.group_wave < wave]
+                missing = [r.dp_rank for r in self._router.membership.ranks if r.group_wave < wave and not r.removed]
             if not missing:
                 return
             if time.monotonic() > deadline:

@@ -19,6 +19,7 @@ from deepinfer_dp.cluster.membership import Membership
 class FixedGroupMembership(Membership):
     """Membership whose health check never re-forms nor restarts (see the module's docstring)."""
 
+    can_reform = False  # so rank_loss: shrink has nothing to shrink to
     on_broken: Callable[[str], None] | None = None
     broken = ""
 

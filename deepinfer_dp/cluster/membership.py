@@ -13,6 +13,11 @@ the model and serves with no group) and then calls rank_returned(), which marks 
 re-forms the group at full size. The healthy ranks are not restarted: a Reform reaching them
 mid-wave makes them leave the step loop after a step they all agree on (the lockstep's
 regroup flag) and join the new group with their requests intact.
+
+With `shrink_on_loss` (router.rank_loss: shrink) a dead rank never comes back: it leaves the
+group for good (the highest rank is dropped, another stays as a `removed` hole that a later
+scale-up fills), the survivors re-form at N-1, and the router's `on_down` moves its requests
+instead of failing them (cluster/rank_loss.py).
 """
 
 from __future__ import annotations
@@ -60,12 +65,15 @@ class RankHandle:
     leaving: bool = False  # the group shrinks past it: no new requests (cluster/elastic.py)
     group_wave: int = -1  # the wave of the latest Reform it reported joining (Reformed)
     local: bool = True  # False: another endpoint's rank (hybrid/external modes), only woken for waves
+    removed: bool = False  # lost for good under rank_loss: shrink; a hole in the dp_ranks, not a member
 
     def send(self, msg) -> None:
         self.socket.send(p.encoder.encode(msg))
 
 
 class Membership:
+    can_reform = True  # False: a group of separately started servers (cluster/fixed_group.py)
+
     def __init__(self, plane: DataPlane, lock: threading.RLock, waves: Waves, host: str,
                  collective_timeout_s: float, on_down: Callable[[RankHandle, str], None],
                  max_restarts: int) -> None:
@@ -84,6 +92,8 @@ class Membership:
         self.busy_since = 0.0  # when the group last went from no request in flight to some
         self._restarting: set[int] = set()
         self._closed = False
+        self.shrink_on_loss = False  # router.rank_loss: shrink (a dead rank leaves the group for good)
+        self.on_reform: Callable[[], None] | None = None  # after each re-form's Reforms went out, under the lock
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rank-liveness")
 
     def attach(self, addresses: list[str], liveness: Liveness | None, up: list[bool] | None = None,
@@ -107,8 +117,13 @@ class Membership:
         return self._plane.connected(zmq.PUSH, address, RANK, SNDHWM=0)
 
     def local(self) -> list[RankHandle]:
-        """The ranks this router serves (every rank but in hybrid and external modes)."""
-        return [r for r in self.ranks if r.local]
+        """The ranks this router serves (every rank but in hybrid and external modes, and but
+        those lost for good)."""
+        return [r for r in self.ranks if r.local and not r.removed]
+
+    def size(self) -> int:
+        """The group's size: its ranks up or down, not those it lost for good."""
+        return sum(1 for r in self.ranks if not r.removed)
 
     def up(self) -> list[RankHandle]:
         """This router's ranks that are up: those it may route to and ask for stats."""
@@ -124,6 +139,15 @@ class Membership:
         with self._lock:
             for address in addresses:
                 self.ranks.append(RankHandle(len(self.ranks), address, self._connect(address)))
+
+    def refill(self, dp_rank: int, address: str) -> None:
+        """A new process at `address` fills the hole a rank lost for good left; reform() takes
+        it in."""
+        with self._lock:
+            rank = self.ranks[dp_rank]
+            rank.socket.close(linger=0)
+            rank.address, rank.socket = address, self._connect(address)
+            rank.up, rank.removed, rank.down_reason, rank.inflight = True, False, "", set()
 
     def remove_ranks(self, size: int) -> list[RankHandle]:
         """Drops the ranks from dp_rank `size` on (their requests moved away) and asks them to
@@ -211,15 +235,37 @@ class Membership:
             up = [r.dp_rank for r in self.ranks if r.up]
             # Every survivor reported a failed vote and nobody died: a retry on a fresh group.
             all_broken = self._broken_since is not None and set(up) <= self._broken_ranks
+            cut = self._shrink_away(dead) if self.shrink_on_loss else None
             if up and (dead or all_broken):
                 self._reform()
+            elif dead and self.on_reform is not None:
+                self.on_reform()  # no survivor: what waited for one fails now
             self._start_restarts()
+        if cut is not None:  # the launcher forgets the dropped ranks' (dead) processes
+            self.liveness.stop_ranks(cut)
+
+    def _shrink_away(self, dead: list[int]) -> int | None:
+        """rank_loss: shrink: the dead ranks leave the group for good; the highest are dropped
+        (the new size's first dp_rank returned, for the launcher), the others stay as holes.
+        Under the lock."""
+        for i in dead:
+            if i < len(self.ranks):
+                self.ranks[i].removed = True
+                self.ranks[i].down_reason += "; the group shrank without it (rank_loss: shrink)"
+        size = len(self.ranks)
+        while self.ranks and self.ranks[-1].removed:
+            self.ranks.pop().socket.close(linger=0)
+        if dead:
+            logger.warning("DP rank(s) %s lost: the group shrinks to %d rank(s) without them", sorted(dead),
+                           self.size())
+        return len(self.ranks) if len(self.ranks) < size else None
 
     def _start_restarts(self) -> None:
         """A thread per down rank that may still restart (it loads a model: not here)."""
         for r in self.ranks:
             i = r.dp_rank
-            if r.up or i in self._restarting or self._closed or self.restarts.get(i, 0) >= self.max_restarts:
+            if (r.up or r.removed or self.shrink_on_loss or i in self._restarting or self._closed
+                    or self.restarts.get(i, 0) >= self.max_restarts):
                 continue
             self._restarting.add(i)
             self.restarts[i] = self.restarts.get(i, 0) + 1
@@ -291,6 +337,12 @@ class Membership:
             r.woken_wave = -1
             r.send(p.Reform(self._host, store.port, i, len(members), wave))
         logger.warning("re-forming the DP group with ranks %s", [r.dp_rank for r in members])
+        if self.on_reform is not None:
+            self.on_reform()
+
+    def reformed_since(self, wave: int) -> bool:
+        """Whether the group re-formed after a failure a rank reported at `wave`."""
+        return wave < self._reform_wave
 
     def close(self) -> None:
         """Asks every rank that is up to shut down, and closes the sockets."""

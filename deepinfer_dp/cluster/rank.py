@@ -193,7 +193,7 @@ class RankServer:
         was the vote, before any step), so a rank with work starts a wave right away."""
         r, self._reform = self._reform, None
         # The last step's forward may still run on the device thread (ZOS): it uses the old
-        # group and, under expert parallelism, the experts the new group reloads.
+        # group and, under expert parallelism, the experts the new group moves.
         self.engine.worker.drain()
         destroy_dp_groups()
         groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, self.engine.device,

@@ -33,6 +33,7 @@ from deepinfer_dp.cluster.inbox import Inbox
 from deepinfer_dp.cluster.membership import Liveness, Membership, RankHandle
 from deepinfer_dp.cluster.migration import RequestLog
 from deepinfer_dp.cluster.policies import RoutingPolicy, image_digests, make_policy
+from deepinfer_dp.cluster.rank_loss import LostRequests
 from deepinfer_dp.cluster.stats_rpc import StatsQueries
 from deepinfer_dp.cluster.waves import Waves
 from deepinfer_dp.config_file import RouterSection
@@ -79,6 +80,10 @@ class Router:
         self._requests: dict[str, tuple[str, int]] = {}  # request id -> (client id, dp rank)
         self.log = RequestLog()  # what moving a request to another rank needs (cluster/migration.py)
         self.elastic = ElasticScaler(self, self._lock, settings.collective_timeout_s)
+        # rank_loss: shrink: a dead rank's requests move to the survivors (cluster/rank_loss.py)
+        self.loss = LostRequests(self) if settings.rank_loss == "shrink" and self.membership.can_reform else None
+        self.membership.shrink_on_loss = self.loss is not None
+        self.membership.on_reform = self.loss.dispatch if self.loss is not None else None
         self._health_interval_s = health_interval_s
         self._client_timeout_s = client_timeout_s
         self._health_kick = threading.Event()  # set on GroupBroken: check the ranks now
@@ -211,9 +216,8 @@ class Router:
         try:
             moved = self.log.resubmission(request_id)
         except ValueError as e:
-            self._forget(request_id)
-            self._to_client(entry[0], p.RequestError(request_id, "rank_failed", f"{e}; DP rank {old.dp_rank} "
-                                                     "left the group before it finished"))
+            self.fail_request(request_id, "rank_failed", f"{e}; DP rank {old.dp_rank} left the group before "
+                                                         "it finished")
             return None
         if moved is None:
             self._forget(request_id)  # every token delivered, only the finish was still to come
@@ -278,15 +282,14 @@ class Router:
                 self._health_kick.set()  # liveness calls can block: not on this thread
 
     def _fail_lost(self, msg: p.GroupBroken) -> None:
-        """Requests a failed MoE step took down are failed even while a re-form is under way
-        (their rank will never report them)."""
-        for rid in msg.request_ids:
-            if self._requests.get(rid, ("", msg.dp_rank))[1] != msg.dp_rank:
-                continue  # moved to another rank before this one lost it
-            entry = self._forget(rid)
-            if entry is not None:
-                self._to_client(entry[0], p.RequestError(
-                    rid, "rank_failed", f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}"))
+        """Requests a failed MoE step took down are failed (or, under rank_loss: shrink, moved)
+        even while a re-form is under way (their rank will never report them)."""
+        lost = [rid for rid in msg.request_ids if self._requests.get(rid, ("", -1))[1] == msg.dp_rank]
+        if self.loss is not None:  # not those moved to another rank before this one lost them
+            self.loss.move(lost, now=self.membership.reformed_since(msg.wave))
+            return
+        for rid in lost:
+            self.fail_request(rid, "rank_failed", f"request {rid}: DP rank {msg.dp_rank} lost it: {msg.message}")
 
     def _deliver(self, msg: p.Deltas, raw: bytes) -> None:
         """Each client gets its own requests' deltas; a delta of an aborted request is dropped,
@@ -331,11 +334,18 @@ class Router:
         return entry
 
     def _fail_requests_of(self, rank: RankHandle, reason: str) -> None:
-        """Membership marked `rank` down: its in-flight requests fail."""
+        """Membership marked `rank` down: its in-flight requests fail (rank_loss: shrink: move)."""
+        if self.loss is not None:
+            self.loss.move(sorted(rank.inflight), now=False)
+            return
         for rid in sorted(rank.inflight):
-            entry = self._forget(rid)
-            if entry is not None:
-                self._to_client(entry[0], p.RequestError(rid, "rank_failed", f"request {rid}: {reason}"))
+            self.fail_request(rid, "rank_failed", f"request {rid}: {reason}")
+
+    def fail_request(self, request_id: str, kind: str, message: str) -> None:
+        """Ends a request with an error its client gets (RequestError `kind`). Under the lock."""
+        entry = self._forget(request_id)
+        if entry is not None:
+            self._to_client(entry[0], p.RequestError(request_id, kind, message))
 
     def _to_client(self, client_id: str, msg) -> None:
         self._to_client_raw(client_id, p.encoder.encode(msg))

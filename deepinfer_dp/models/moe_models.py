@@ -10,8 +10,10 @@ Checkpoints load unchanged: Mixtral's block_sparse_moe.experts.E.w1/w3/w2 and th
 mlp.experts.E.gate_proj/up_proj/down_proj are copied into each layer's fused w13/w2. Under
 expert parallelism a rank is built with `expert_shard=(rank, size)`: it allocates and loads
 only its range of routed experts (everything else is replicated), and bind_ep_group() later
-gives its MoE layers the dispatcher over the DP group -- and reloads the experts from the
-checkpoint if the group it joins has another size (a re-formed group after a rank died).
+gives its MoE layers the dispatcher over the DP group -- and, when the group it joins has
+another size (a scale change, a re-formed group after a rank died), gives each rank its new
+share: moved over the group from the members that hold it, read from the checkpoint only
+where none does (models/expert_regroup.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +32,6 @@ from deepinfer_dp.layers.attention import AttentionMetadata
 from deepinfer_dp.layers.expert_map import fit_redundant
 from deepinfer_dp.layers.moe import FusedMoE, select_experts
 from deepinfer_dp.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-from deepinfer_dp.models.weights import iterate_weights
 
 logger = logging.getLogger(__name__)
 # <prefix>.experts.<e>.<projection>.weight, in either family's names
@@ -114,8 +114,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                            if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]
         self._bind_expert_tokens()
         self.balancer = None  # eplb.rebalancer.Rebalancer, under expert-parallel load balancing
-        self.source_dir: str | None = None  # the checkpoint, for reloading experts (set by the loader)
+        self.source_dir: str | None = None  # the checkpoint, for experts no member holds (set by the loader)
         self._past_collective_s = 0.0  # of dispatchers replaced by a re-formed group's
+        self.regroups: list[dict] = []  # what each change of the EP group cost this rank (the last few)
 
     def make_model(self, config) -> nn.Module:
         return LlamaModel(config, self.context, partial(MoeDecoderLayer, shard=self.expert_shard))
@@ -146,11 +147,13 @@ class MoeForCausalLM(LlamaForCausalLM):
     def bind_ep_group(self, ep, backend: str, eplb=None) -> None:
         """Makes the MoE layers dispatch over `ep` (an EPGroup; None or one rank: local
         experts only). If the group's (rank, size) is not the shard this model holds -- a
-        group re-formed after a rank died -- the routed experts are reloaded for it first (in
-        the initial placement under load balancing). `eplb` (an EPLBConfig): balance the
-        experts' load over the group from now on."""
+        group re-formed after a scale change or a lost rank -- the routed experts move for it
+        first (in the initial placement under load balancing; models/expert_regroup.py).
+        `eplb` (an EPLBConfig): balance the experts' load over the group from now on. A
+        collective call when the group has peers."""
         from deepinfer_dp.distributed.moe_dispatch import make_dispatcher
         from deepinfer_dp.eplb.rebalancer import Rebalancer
+        from deepinfer_dp.models.expert_regroup import regroup_experts
 
         shard = (ep.rank, ep.size) if ep is not None else (0, 1)
         if len(self.expert_shard) == 3:  # a group of another size may need another redundant count
@@ -159,10 +162,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             if shard[2] != wanted:
                 logger.warning("expert load balancing over %d ranks: %d redundant expert slots instead of %d "
                                "(the slots must divide evenly over the ranks)", shard[1], shard[2], wanted)
-        moved = any(b.experts.expert_map is not None and not b.experts.expert_map.is_initial() for b in self.moe_blocks)
-        if shard != self.expert_shard or moved:  # every rank of a new group starts from the initial placement
-            self.reload_experts(shard)
         dispatcher = make_dispatcher(backend, ep, self.spec.num_experts) if ep is not None and ep.size > 1 else None
+        # every rank of a new group starts from the initial placement of its shard
+        moved = any(b.experts.expert_map is not None and not b.experts.expert_map.is_initial() for b in self.moe_blocks)
+        if dispatcher is not None or shard != self.expert_shard or moved:
+            stats = regroup_experts(self, ep if dispatcher is not None else None, shard, dispatcher)
+            if stats.kept + stats.received + stats.loaded:
+                logger.warning("experts for EP rank %d of %d: %s", shard[0], shard[1], stats.as_dict())
+                self.regroups = (self.regroups + [{"shard": list(shard), **stats.as_dict()}])[-8:]
         if self.dispatcher is not None:  # the time stays a counter across re-formed groups
             self._past_collective_s += self.dispatcher.collective_s
         for block in self.moe_blocks:
@@ -192,25 +199,13 @@ class MoeForCausalLM(LlamaForCausalLM):
                 "moe_expert_bytes": sum(b.experts.w13.nbytes + b.experts.w2.nbytes for b in self.moe_blocks),
                 # CPU: a share of the compute thread's busy time (the collectives run on it)
                 "moe_collective_share": collective_s / device_busy_s if device_busy_s > 0 else 0.0,
+                "moe_regroups": self.regroups,
                 **(self.balancer.stats() if self.balancer is not None else {})}
 
-    def reload_experts(self, shard: tuple[int, ...]) -> None:
-        """Holds and loads the routed experts of `shard` from the checkpoint (source_dir)."""
-        if self.source_dir is None:
-            raise RuntimeError("reload_experts needs the checkpoint directory (source_dir)")
-        self.expert_shard = shard
-        for block in self.moe_blocks:
-            block.experts.reshard(shard)
+    def after_reshard(self) -> None:
+        """The MoE layers hold another shard (models/expert_regroup.py resharded them)."""
         if self.moe_blocks and self.expert_tokens.shape[1] != self.moe_blocks[0].experts.num_slots:
             self._bind_expert_tokens()  # another slot count: the counters start again
-        done: set[tuple[str, int, int]] = set()
-        for name, tensor in iterate_weights(Path(self.source_dir), self._is_local_expert):
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            self._load_expert(name, _EXPERT_NAME.match(name), tensor, done)
-        self._check_experts(done)
-
-    def _is_local_expert(self, name: str) -> bool:
-        return _EXPERT_NAME.match(name.replace(".block_sparse_moe.", ".mlp.")) is not None and self.wants_weight(name)
 
     # ---- loading -----------------------------------------------------------------------
     def wants_weight(self, name: str) -> bool:
@@ -236,14 +231,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
             match = _EXPERT_NAME.match(name)
             if match:
-                self._load_expert(name, match, tensor, experts)
+                self.load_expert(name, match, tensor, experts)
             else:
                 self.load_weight(name, tensor, params, loaded)
         expert_params = {n for n in params if n.endswith((".experts.w13", ".experts.w2"))}
         self._check_experts(experts)
         self._check_complete({n: p for n, p in params.items() if n not in expert_params}, loaded)
 
-    def _load_expert(self, name: str, match: re.Match, tensor: torch.Tensor,
+    def load_expert(self, name: str, match: re.Match, tensor: torch.Tensor,
                      done: set[tuple[str, int, int]]) -> None:
         prefix, expert, piece = match.group(1), int(match.group(2)), _PIECE[match.group(3)]
         moe = self.get_submodule(prefix).experts

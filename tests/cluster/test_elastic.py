@@ -4,7 +4,8 @@ then it shrinks to 1 with no drain time, which moves the leaving ranks' streams 
 every stream completes equal to the DP=1 answer, none is lost, /health is ok and the lockstep
 votes agree after each change, and /metrics shows the group's size and the changes. The same
 offline with expert parallelism on a tiny MoE (LLM.scale_elastic_ep, generate running on
-another thread): greedy tokens identical to DP=1, experts re-sharded at each size."""
+another thread): greedy tokens identical to DP=1, experts re-sharded at each size (moved over the
+group where a staying rank holds them, read from the checkpoint only where none does)."""
 
 from __future__ import annotations
 
@@ -185,6 +186,10 @@ def test_expert_parallel_outputs_identical_through_grow_and_shrink(moe_dir, ray_
             assert len({s["lockstep_votes"] for s in stats}) == 1, stats
             shards = [s["moe_local_experts"] for s in stats]
             assert shards == ([[0, 2], [2, 5], [5, 8]] if size == 3 else [[0, 8]]), shards
+            # (kept, received over the group, read) per rank, 2 MoE layers: growing reads nothing
+            # (rank 2 started with its share); alone, rank 0 reads what it never held
+            costs = [tuple(s["moe_regroups"][-1][k] for k in ("kept", "received", "loaded")) for s in stats[:2]]
+            assert costs == ([(4, 0, 0), (2, 4, 0)] if size == 3 else [(4, 0, 12)]), costs
             print(f"EP scaled to {size}: {done}")
     finally:
         llm.shutdown()
