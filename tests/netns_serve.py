@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +18,36 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from netns_utils import NetnsCluster, in_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
+# every multi-node test module's marks: slow, and only where namespaces can be made
+NETNS_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
+]
+
+
+def cluster_fixture(prefix: str, workers: int = 2, hosts: dict[str, int] | None = None, ray: bool = True):
+    """A module's `cluster` fixture: NetnsCluster `prefix`+pid with `workers` Ray workers (no
+    Ray at all if not `ray`) and the bare `hosts` (name: last octet of the address), torn down
+    (namespaces included) whatever happens; the session checks nothing of it is left."""
+    @pytest.fixture(scope="module")
+    def cluster(netns_cluster_ids) -> Iterator[NetnsCluster]:
+        cluster_id = f"{prefix}{os.getpid()}"
+        netns_cluster_ids.append(cluster_id)
+        c = NetnsCluster(cluster_id, workers=workers)
+        try:
+            c.up(ray=ray)
+            for name, octet in (hosts or {}).items():
+                c.add_host(name, octet)
+            yield c
+        finally:
+            c.down()
+
+    return cluster
 
 
 def build_step_heavy_model(path: Path) -> str:

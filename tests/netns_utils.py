@@ -146,8 +146,9 @@ class NetnsCluster:
                 "RAY_USAGE_STATS_ENABLED": "0"}
 
     # ---- network ------------------------------------------------------------------------
-    def up(self, timeout_s: float = 120.0) -> NetnsCluster:
-        """Makes the namespaces and starts Ray on every node; on any failure tears down first."""
+    def up(self, timeout_s: float = 120.0, ray: bool = True) -> NetnsCluster:
+        """Makes the namespaces and starts Ray on every node (`ray`: False, the network only);
+        on any failure tears down first."""
         try:
             self.dir.mkdir(parents=True, exist_ok=False)
             self.token_path.write_text(secrets.token_hex(32))
@@ -158,6 +159,8 @@ class NetnsCluster:
             _ip("-n", self._bridge, "link", "set", "br0", "up")
             for node in self.nodes.values():
                 self._attach(node)
+            if not ray:
+                return self
             self.start_ray("head")
             for name in self.nodes:
                 if name != "head":

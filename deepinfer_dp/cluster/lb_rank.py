@@ -56,17 +56,21 @@ def run_lb_rank(spec: LBRankSpec, conn: Any) -> None:
 
 
 def _join(spec: LBRankSpec, conn: Any):
+    from deepinfer_dp.cluster.data_plane import RANK
+    from deepinfer_dp.cluster.group_store import GroupStoreServer, join_group
     from deepinfer_dp.cluster.rank import RankServer
-    from deepinfer_dp.distributed import init_dp_groups
-    from deepinfer_dp.distributed.groups import all_gather_json, serve_store
+    from deepinfer_dp.distributed.groups import all_gather_json, use_interface_of
     from deepinfer_dp.engine.llm_engine import LLMEngine
 
     rank, config = spec.config.dp_rank, spec.config
+    if spec.host not in ("127.0.0.1", "localhost"):  # across nodes: Gloo listens where the data plane does
+        use_interface_of(spec.host)
     engine = LLMEngine(config)  # load first: the join timeout should not count it
-    store = serve_store(spec.store_host, spec.timeout_s, port=spec.store_port) if rank == 0 else None
+    # rank 0 serves the store with the rank role's key: no router here holds the whole group's
+    store = GroupStoreServer(spec.store_host, spec.key, RANK, port=spec.store_port) if rank == 0 else None
     server = RankServer(engine, rank, spec.router_backend, spec.host, group_timeout_s=spec.timeout_s, key=spec.key)
-    groups = init_dp_groups(rank, config.dp_size, spec.store_host, spec.store_port, engine.device,
-                            spec.timeout_s, spec.join_timeout_s)
+    groups = join_group(rank, config.dp_size, spec.store_host, spec.store_port, spec.key, RANK, engine.device,
+                        spec.timeout_s, spec.join_timeout_s)
     engine.join_dp_group(groups)
     addresses = all_gather_json(groups, server.address)
     conn.send({"addresses": addresses, "vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,

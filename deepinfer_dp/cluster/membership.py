@@ -33,7 +33,7 @@ from typing import Protocol
 import zmq
 
 from deepinfer_dp.cluster import protocol as p
-from deepinfer_dp.cluster.data_plane import RANK, DataPlane
+from deepinfer_dp.cluster.data_plane import RANK, ROUTER, DataPlane
 from deepinfer_dp.cluster.waves import Waves
 
 logger = logging.getLogger(__name__)
@@ -326,9 +326,9 @@ class Membership:
     def _reform(self) -> None:
         """A fresh group of the ranks that are up, on a new store."""
         self._broken_since, self._broken_ranks = None, set()
-        from deepinfer_dp.distributed.groups import serve_store  # torch: only once a group re-forms
+        from deepinfer_dp.cluster.group_store import GroupStoreServer  # torch: only once a group re-forms
 
-        store = serve_store(self._host)
+        store = GroupStoreServer(self._host, self._plane.key, ROUTER)
         self._stores.append(store)
         members = self.up()
         wave = self._waves.next_for_reform()
@@ -353,4 +353,6 @@ class Membership:
                     r.send(p.Shutdown())
             for r in self.ranks:
                 r.socket.close(linger=500)
+            for store in self._stores:
+                store.close()
         self._pool.shutdown(wait=False)

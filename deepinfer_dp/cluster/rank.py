@@ -31,8 +31,9 @@ import zmq
 
 from deepinfer_dp.cluster import protocol as p
 from deepinfer_dp.cluster.data_plane import RANK, ROUTER, ClusterKey, DataPlane
+from deepinfer_dp.cluster.group_store import join_group
 from deepinfer_dp.cluster.inbox import Inbox
-from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp_groups, init_dp_groups
+from deepinfer_dp.distributed import LockstepError, RegroupRequested, destroy_dp_groups
 from deepinfer_dp.engine.client import TokenDelta
 from deepinfer_dp.engine.llm_engine import LLMEngine
 from deepinfer_dp.engine.step_loop import StepLoop
@@ -196,8 +197,8 @@ class RankServer:
         # group and, under expert parallelism, the experts the new group moves.
         self.engine.worker.drain()
         destroy_dp_groups()
-        groups = init_dp_groups(r.group_rank, r.world_size, r.host, r.port, self.engine.device,
-                                self.group_timeout_s)
+        groups = join_group(r.group_rank, r.world_size, r.host, r.port, self._plane.key, ROUTER,
+                            self.engine.device, self.group_timeout_s)
         self.engine.join_dp_group(groups)
         self.wave = r.wave
         self._send(p.Reformed(self.dp_rank, r.wave))

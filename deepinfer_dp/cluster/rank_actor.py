@@ -31,13 +31,14 @@ class RankActor:
 
     def start(self, store_host: str, store_port: int, router_addr: str, timeout_s: float, host: str) -> dict:
         """Loads the engine, joins the first DP group and serves."""
-        from deepinfer_dp.distributed import init_dp_groups
+        from deepinfer_dp.cluster.data_plane import ROUTER
+        from deepinfer_dp.cluster.group_store import join_group
         from deepinfer_dp.distributed.groups import JOIN_TIMEOUT_S
 
         engine = self._load()  # load first: the group timeout should not count it
         host = self._node_host(host)
-        groups = init_dp_groups(self.dp_rank, self.world_size, store_host, store_port,
-                                engine.device, timeout_s, JOIN_TIMEOUT_S)
+        groups = join_group(self.dp_rank, self.world_size, store_host, store_port, self.key, ROUTER,
+                            engine.device, timeout_s, JOIN_TIMEOUT_S)
         engine.join_dp_group(groups)
         return self._serve(engine, router_addr, timeout_s, host)
 

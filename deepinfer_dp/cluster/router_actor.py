@@ -13,7 +13,7 @@ import threading
 
 import ray
 
-from deepinfer_dp.cluster.data_plane import ClusterKey
+from deepinfer_dp.cluster.data_plane import ROUTER, ClusterKey
 from deepinfer_dp.cluster.rank_actor import RankSpec
 from deepinfer_dp.config_file import RouterSection
 
@@ -38,9 +38,9 @@ class RouterActor:
         self.router = None if standby else self._make_router()
         self.store = None  # the store the first DP group forms on (a standby's group has formed)
         if not standby:
-            from deepinfer_dp.distributed.groups import serve_store  # torch: not in a standby
+            from deepinfer_dp.cluster.group_store import GroupStoreServer  # torch: not in a standby
 
-            self.store = serve_store(host, settings.collective_timeout_s)
+            self.store = GroupStoreServer(host, key, ROUTER)
         self.actors: list = []
         self.infos: list[dict] = []
         self.spec: RankSpec | None = None

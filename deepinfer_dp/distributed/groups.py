@@ -38,6 +38,7 @@ class DPGroups:
     device: torch.device  # where tensors for device_group live
     timeout_s: float
     origin: str  # "torchrun" or the store's host:port, for error messages
+    store: dist.Store | None = None  # the store the group formed on (kept alive with it)
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -68,19 +69,29 @@ def init_dp_groups_from_env(device: torch.device, timeout_s: float = DEFAULT_TIM
 
 def init_dp_groups(rank: int, world_size: int, host: str, port: int, device: torch.device,
                    timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None) -> DPGroups:
-    """Joins a group through the TCPStore at host:port. The store must already be served
-    (by a launcher, or by rank 0 before it handed the port out). `join_timeout_s` (default:
+    """Joins a group through the TCPStore at host:port (serve_store: unauthenticated, for
+    tests and benchmarks on loopback; the cluster's ranks use join_dp_groups over
+    cluster/group_store.py). The store must already be served. `join_timeout_s` (default:
     the collective timeout) bounds the wait for every peer to arrive: at start-up a peer may
     still be loading its model."""
     join_s = timeout_s if join_timeout_s is None else join_timeout_s
-    # Connecting waits as long as joining: a store served by a server started separately
-    # (hybrid and external modes) may come up later than this rank.
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=join_s))
     store.set_timeout(timedelta(seconds=timeout_s))
+    return join_dp_groups(rank, world_size, store, f"{host}:{port}", device, timeout_s, join_s)
+
+
+def join_dp_groups(rank: int, world_size: int, store: dist.Store, origin: str, device: torch.device,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None) -> DPGroups:
+    """Joins a group through `store`, already connected (the cluster's authenticated store,
+    cluster/group_store.py; `origin` names it in errors). The groups keep the store alive: a
+    store written in Python lives as long as its Python object."""
+    join_s = timeout_s if join_timeout_s is None else join_timeout_s
     _wait_for_peers(store, world_size, join_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    return _make_groups(rank, world_size, device, timeout_s, f"{host}:{port}")
+    groups = _make_groups(rank, world_size, device, timeout_s, origin)
+    groups.store = store
+    return groups
 
 
 def use_interface_of(address: str) -> str:
@@ -97,7 +108,7 @@ def use_interface_of(address: str) -> str:
     raise ValueError(f"no network interface of this machine has the address {address}")
 
 
-def _wait_for_peers(store: dist.TCPStore, world_size: int, timeout_s: float) -> None:
+def _wait_for_peers(store: dist.Store, world_size: int, timeout_s: float) -> None:
     """Returns once every rank has reached the store, so that Gloo's rendezvous (bounded by
     the collective timeout) starts with all of them there."""
     arrived = store.add("deepinfer_dp/arrived", 1)

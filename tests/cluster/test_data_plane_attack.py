@@ -162,7 +162,8 @@ def test_garbage_and_forged_frames_on_every_port_change_nothing(tmp_path):
         assert len(procs["router"]) >= 1 and len(procs["rank"]) >= 2 and len(procs["api_server"]) == 2, procs
         pids = sorted(q.pid for group in procs.values() for q in group)
         ports = zmq_ports([q for group in procs.values() for q in group])
-        assert len(ports) == 2 + 2 + 2, ports  # the router's two, one per rank, one per API server
+        # the router's two and the DP group's store, one per rank, one per API server
+        assert len(ports) == 3 + 2 + 2, ports
         reference = asyncio.run(streams(url))
 
         stop, health = threading.Event(), []

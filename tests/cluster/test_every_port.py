@@ -1,5 +1,5 @@
 """Garbage on every listening socket of `deepinfer-dp serve --dp-size 2`, not only the data
-plane's: the HTTP port, the router's and the ranks' ZeroMQ ports, the TCP store the router
+plane's: the HTTP port, the router's and the ranks' ZeroMQ ports, the DP group's store the router
 serves, Gloo's listeners, and the private Ray instance's ports (GCS, raylet, object manager,
 the agents, every worker's gRPC server) and its Unix sockets (raylet, plasma store). The
 test finds them all from the process tree (psutil), as an outsider on the machine could, and

@@ -2,26 +2,31 @@
 their own addresses on a private bridge (tests/netns_utils.py), Ray's token auth on, the data
 plane with CURVE. The ranks run on the two worker nodes, the router and the HTTP server on the
 head. Greedy outputs equal DP=1's; an outsider on the bridge (a fourth namespace, no keys, no
-token) is refused by the router's, the ranks' and the API server's ZeroMQ sockets and by
-Ray's GCS while serving goes on; a worker node that loses every process fails the requests
+token) is refused by the router's, the ranks' and the API server's ZeroMQ sockets, by the DP
+group's store and by Ray's GCS, and its junk at the ranks' Gloo listeners changes nothing,
+while serving goes on; a worker node that loses every process fails the requests
 of its rank with an error event while the other rank's finish, and the warm spare on the head
 brings the group back to full size. Needs root (`ip netns`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 from netns_serve import (  # noqa: E402
+    NETNS_MARKS,
     actors,
+    cluster_fixture,
     complete,
     health,
     lose_node_under_streams,
@@ -32,26 +37,12 @@ from netns_serve import (  # noqa: E402
 from netns_utils import NetnsCluster, in_netns  # noqa: E402
 from test_data_plane_attack import attack, failed_handshakes, greets_as_zmq  # noqa: E402
 
-CLUSTER_ID = f"t{os.getpid()}"
 PROMPTS = [f"Node {i} of the cluster says" for i in range(4)]
 MAX_TOKENS = 12
 LONG_TOKENS = 200  # seconds of decode on the step-heavy model
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
-]
+pytestmark = NETNS_MARKS
 
-
-@pytest.fixture(scope="module")
-def cluster(netns_cluster_ids):
-    netns_cluster_ids.append(CLUSTER_ID)
-    c = NetnsCluster(CLUSTER_ID, workers=2)
-    try:
-        c.up()
-        c.add_host("intruder", 9)
-        yield c
-    finally:
-        c.down()
+cluster = cluster_fixture("t", hosts={"intruder": 9})
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +90,31 @@ def _listening(cluster: NetnsCluster, node: str) -> list[int]:
     return sorted(ports)
 
 
+def _store_answers(host: str, port: int) -> tuple[bool, bool]:
+    """(whether torch's TCPStore client gets a connection at host:port, whether the group's
+    store client with a key pair of its own gets an answer)."""
+    import torch.distributed as dist
+
+    from deepinfer_dp.cluster.data_plane import ROUTER, ClusterKey
+    from deepinfer_dp.cluster.group_store import GroupStoreClient
+
+    answers = []
+    for connect in (lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=3)),
+                    lambda: GroupStoreClient(host, port, ClusterKey.generate(), ROUTER, 3, 3)):
+        try:
+            connect().num_keys()
+            answers.append(True)
+        except dist.DistError:  # refused
+            answers.append(False)
+    return answers[0], answers[1]
+
+
+def _junk(ports: list[int], host: str) -> None:
+    for port in ports:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2) as s:
+            s.sendall(os.urandom(4096))
+
+
 def _gcs_call(cluster: NetnsCluster, token: str | None) -> str:
     """A call to the head's GCS (list its key-value keys) from the outsider's namespace, with
     `token` (None: token auth off, no token at all): "ok", or the error's class name."""
@@ -119,10 +135,15 @@ def test_an_outsider_without_keys_is_refused(cluster, server, reference):
     zmq_ports = {node: [port for port in _listening(cluster, node)
                         if in_netns(cluster.ns("intruder"), greets_as_zmq, port, cluster.nodes[node].address)]
                  for node in ("head", "w1")}
-    # the head: the router's two sockets and the API server's inbox; w1: its rank's inbox
-    assert len(zmq_ports["head"]) == 3 and len(zmq_ports["w1"]) == 1, zmq_ports
+    # the head: the router's two sockets, the DP group's store and the API server's inbox;
+    # w1: its rank's inbox
+    assert len(zmq_ports["head"]) == 4 and len(zmq_ports["w1"]) == 1, zmq_ports
+    for port in zmq_ports["head"]:  # the store among them: torch's client and a stranger's key get nothing
+        assert in_netns(cluster.ns("intruder"), _store_answers, head, port) == (False, False), port
     in_netns(cluster.ns("intruder"), attack, zmq_ports["head"], head)
     in_netns(cluster.ns("intruder"), attack, zmq_ports["w1"], w1)
+    others = [port for port in _listening(cluster, "w1") if port not in zmq_ports["w1"]]
+    in_netns(cluster.ns("intruder"), _junk, others, w1)  # the rank's Gloo listener among Ray's
     failed = failed_handshakes(in_netns(cluster.ns("head"), lambda: httpx.get(server + "/metrics", timeout=30).text))
     ranks_failed = failed.get("rank 0", 0) + failed.get("rank 1", 0)
     assert failed["router"] > 0 and failed["client"] > 0 and ranks_failed > 0, failed

@@ -9,42 +9,28 @@ before. Needs root (`ip netns`)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 
 import psutil
-import pytest
 from netns_serve import (
+    NETNS_MARKS,
     act_under_streams,
     actors,
     alive_nodes,
+    cluster_fixture,
     complete,
     health,
     serve_on_head,
     split_lost,
     wait_full_size,
 )
-from netns_utils import NetnsCluster
 
-CLUSTER_ID = f"l{os.getpid()}"
 PROMPTS = [f"Node {i} drops off and says" for i in range(4)]
 MAX_TOKENS = 12
 LONG_TOKENS = 200  # seconds of decode on the step-heavy model
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
-]
+pytestmark = NETNS_MARKS
 
-
-@pytest.fixture(scope="module")
-def cluster(netns_cluster_ids):
-    netns_cluster_ids.append(CLUSTER_ID)
-    c = NetnsCluster(CLUSTER_ID, workers=2)
-    try:
-        yield c.up()
-    finally:
-        c.down()
+cluster = cluster_fixture("l")
 
 
 def test_a_node_cut_off_the_network_is_replaced_and_stays_out(cluster, netns_model_dir, tmp_path):

@@ -8,32 +8,26 @@ Needs root (`ip netns`)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 
-import pytest
-from netns_serve import actors, complete, health, lose_node_under_streams, serve_on_head, split_lost, wait_full_size
-from netns_utils import NetnsCluster
+from netns_serve import (
+    NETNS_MARKS,
+    actors,
+    cluster_fixture,
+    complete,
+    health,
+    lose_node_under_streams,
+    serve_on_head,
+    split_lost,
+    wait_full_size,
+)
 
-CLUSTER_ID = f"r{os.getpid()}"
 PROMPTS = [f"Node {i} comes back and says" for i in range(4)]
 MAX_TOKENS = 12
 LONG_TOKENS = 200  # seconds of decode on the step-heavy model
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
-]
+pytestmark = NETNS_MARKS
 
-
-@pytest.fixture(scope="module")
-def cluster(netns_cluster_ids):
-    netns_cluster_ids.append(CLUSTER_ID)
-    c = NetnsCluster(CLUSTER_ID, workers=2)
-    try:
-        yield c.up()
-    finally:
-        c.down()
+cluster = cluster_fixture("r")
 
 
 def test_a_lost_node_that_comes_back_restores_the_group(cluster, netns_model_dir, tmp_path):
