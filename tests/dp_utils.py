@@ -29,22 +29,6 @@ def token_ids(results) -> list[list[int]]:
     return [[t for o in outs for t in o.token_ids] for outs in results]
 
 
-def torchrun_ep(model_dir: Path, out: Path, shard_sizes: str = "8,0", backend: str = "all_to_all",
-               extra_args: tuple[str, ...] = (), env: dict | None = None,
-               timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """launch/torchrun_generate.py in 2 processes with expert parallelism and EP_ENGINE's
-    options over PROMPTS (written beside `out`), its JSON results in `out`; past `timeout_s`
-    its whole process group is killed."""
-    args = [str(ROOT / "launch" / "torchrun_generate.py"), "--model", str(model_dir), "--shard-sizes", shard_sizes,
-            "--max-tokens", str(MAX_TOKENS), "--num-kv-blocks", str(EP_ENGINE["num_kv_blocks"]),
-            "--max-num-seqs", str(EP_ENGINE["max_num_seqs"]),
-            "--max-num-batched-tokens", str(EP_ENGINE["max_num_batched_tokens"]), "--enable-expert-parallel",
-            "--all2all-backend", backend, "--output", str(out), "--prompts-file", str(out.with_suffix(".txt")),
-            *extra_args]
-    out.with_suffix(".txt").write_text("\n".join(PROMPTS) + "\n")
-    return run_torchrun(args, 2, env, timeout_s)
-
-
 def run_torchrun(args: list[str], nproc: int = 2, env: dict | None = None,
                  timeout_s: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone` of `args` (a script and its arguments) in `nproc` processes,

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dp_utils import EP_ENGINE, GREEDY, PROMPTS, token_ids, run_torchrun
+from dp_utils import EP_ENGINE, GREEDY, PROMPTS, run_torchrun, token_ids
 from model_utils import write_tiny_model
 from moe_utils import build_tiny_moe, tiny_moe_config
 
