@@ -1,8 +1,8 @@
 """Gemma 3 whose fused projections mix formats as GGUF files store them (the real 270M
 Q4_K_M file's Q5_0 q/k next to a Q8_0 v; a Llama Q4_K_M file's Q4_K q/k next to a Q6_K v): a
 converted directory (model.safetensors with the values gguf dequantizes, packed/ with the
-blocks, as models/default_model.py writes one) loads with every part in its own format and
-nothing widened, and greedy output equals transformers on the dequantized values."""
+blocks, as models/default_model.py writes one) loads with every part in its own format (or,
+for Q4_0/Q5_0/Q8_0 mixes, as one Q8_0 matrix the decode stack takes) and nothing widened, and greedy output equals transformers on the dequantized values."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ LAYER_FORMATS = [
 PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
          "mlp.up_proj", "mlp.down_proj")
 FUSED = {
-    "model.layers.0.self_attn.qkv_proj": "q5_0+q8_0", "model.layers.0.mlp.gate_up_proj": "q5_0",
+    # Q5_0 q/k with a Q8_0 v become one Q8_0 matrix (exact): Gemma 3 layers run on the one-call
+    # decode stack, which takes one format a matrix; the other mixes stay parts.
+    "model.layers.0.self_attn.qkv_proj": "q8_0", "model.layers.0.mlp.gate_up_proj": "q5_0",
     "model.layers.1.self_attn.qkv_proj": "q4_k+q6_k", "model.layers.1.mlp.gate_up_proj": "q4_k+q6_k",
     "model.layers.2.self_attn.qkv_proj": "q5_0", "model.layers.2.mlp.gate_up_proj": "q5_k",
     "model.layers.3.self_attn.qkv_proj": "q8_0+q4_0+q5_1", "model.layers.3.mlp.gate_up_proj": "q8_0",
@@ -60,7 +62,7 @@ def test_mixed_fused_projections_stay_packed_and_match_transformers(tmp_path):
     model = load_model(str(path), torch.float32, "cpu").model
     formats = {name: m.weight_packed.format for name, m in model.named_modules() if name in FUSED}
     assert formats == FUSED
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedPartsLinear)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, PackedPartsLinear)
     assert all(isinstance(m, PackedLinear) for name, m in model.named_modules() if name.endswith("_proj"))
     # 4 KV groups (one a layer): a sequence of 512 positions holds 4 x 128 blocks at most
     check_greedy(path, 4, 24, num_kv_blocks=4 * 128 + 1)
