@@ -108,14 +108,19 @@ def wait_full_size(cluster: NetnsCluster, url: str) -> dict:
 
 
 def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int) -> list[dict]:
-    """Greedy streams of `prompts`, all at once, from the head's namespace: each one's text,
-    finish reason, error event, whether [DONE] came and when it ended (monotonic)."""
+    """Greedy streams of `prompts`, all at once, from the head's namespace: each one's HTTP
+    status, text, finish reason, error (event, or the body of a 503: the server answers with a
+    status while no byte of the stream has gone out, so a rank lost before a stream's first
+    token fails it that way), whether [DONE] came and when it ended (monotonic)."""
     async def one(client: httpx.AsyncClient, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        got = {"text": "", "finish": None, "error": None, "done": False, "ended": None}
+        got = {"status": None, "text": "", "finish": None, "error": None, "done": False, "ended": None}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200, await r.aread()
+            got["status"] = r.status_code
+            if r.status_code != 200:
+                assert r.status_code == 503, await r.aread()
+                got["error"] = json.loads(await r.aread())["error"]["message"]
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     got["done"] = True
@@ -185,5 +190,11 @@ def lose_node_under_streams(cluster: NetnsCluster, url: str, node: str, prompts:
 
 
 def split_lost(streams: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(the streams that ended with an error event, the others)."""
+    """(the streams that ended with an error, the others)."""
     return [s for s in streams if s["error"] is not None], [s for s in streams if s["error"] is None]
+
+
+def failed_on_lost_rank(stream: dict) -> bool:
+    """`stream` ended with an error naming the lost rank: an error event then [DONE], or a 503
+    when the rank was lost before the stream's first byte went out."""
+    return "DP rank" in stream["error"] and (stream["done"] or stream["status"] == 503)

@@ -19,6 +19,7 @@ from netns_serve import (
     alive_nodes,
     cluster_fixture,
     complete,
+    failed_on_lost_rank,
     health,
     serve_on_head,
     split_lost,
@@ -41,7 +42,7 @@ def test_a_node_cut_off_the_network_is_replaced_and_stays_out(cluster, netns_mod
         assert len(old) == 1, actors(cluster)
         cut, streams = act_under_streams(cluster, url, PROMPTS, LONG_TOKENS, lambda: cluster.set_link("w1", up=False))
         failed, finished = split_lost(streams)
-        assert len(failed) == 2 and all("DP rank" in s["error"] and s["done"] for s in failed), failed
+        assert len(failed) == 2 and all(failed_on_lost_rank(s) for s in failed), failed
         assert len(finished) == 2 and all(s["finish"] == "length" for s in finished), finished
         detect_and_fail_s = max(s["ended"] for s in failed) - cut
         h = wait_full_size(cluster, url)  # the spare on the head

@@ -15,6 +15,7 @@ from netns_serve import (
     actors,
     cluster_fixture,
     complete,
+    failed_on_lost_rank,
     health,
     lose_node_under_streams,
     serve_on_head,
@@ -35,7 +36,7 @@ def test_a_lost_node_that_comes_back_restores_the_group(cluster, netns_model_dir
         before = [g["text"] for g in complete(cluster, url, PROMPTS, MAX_TOKENS)]
         killed, streams = lose_node_under_streams(cluster, url, "w1", PROMPTS, LONG_TOKENS)
         failed, finished = split_lost(streams)
-        assert len(failed) == 2 and all("DP rank" in s["error"] and s["done"] for s in failed), streams
+        assert len(failed) == 2 and all(failed_on_lost_rank(s) for s in failed), streams
         assert len(finished) == 2 and all(s["finish"] == "length" for s in finished), streams
         detect_and_fail_s = max(s["ended"] for s in failed) - killed
         h = health(cluster, url)
