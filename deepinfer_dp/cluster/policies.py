@@ -30,10 +30,16 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """The rank with the fewest requests in flight (ties: the lowest rank)."""
+    """The rank with the fewest requests in flight; ties go round, as round robin does (at
+    light load the ranks are often all idle, and ties to the lowest rank put three quarters
+    of the requests on rank 0 of two)."""
+
+    def __init__(self) -> None:
+        self._turns = itertools.count()
 
     def choose(self, prompt_token_ids: list[int], load: dict[int, int], images: tuple[int, ...] = ()) -> int:
-        return min(sorted(load), key=lambda r: load[r])
+        ranks, turn = sorted(load), next(self._turns)
+        return min(ranks, key=lambda r: (load[r], (ranks.index(r) - turn) % len(ranks)))
 
 
 class PrefixAffinity:
@@ -77,7 +83,7 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.capacity_blocks = capacity_blocks
         self._cached: dict[int, OrderedDict[int, None]] = {}  # rank -> block hashes, oldest first
-        self._turns = itertools.count()
+        self._least = LeastLoaded()
 
     def choose(self, prompt_token_ids: list[int], load: dict[int, int], images: tuple[int, ...] = ()) -> int:
         for gone in set(self._cached) - set(load):
@@ -95,8 +101,7 @@ class CacheAware:
         best = max(matched, key=lambda r: (matched[r], -load[r]))
         if prompt_len and matched[best] * self.block_size >= self.cache_threshold * prompt_len:
             return best
-        ranks, turn = sorted(load), next(self._turns)  # ties go round, as round robin does
-        return min(ranks, key=lambda r: (load[r], (ranks.index(r) - turn) % len(ranks)))
+        return self._least.choose([], load)
 
     def _block_hashes(self, prompt_token_ids: list[int], seed: int = 0) -> list[int]:
         """One hash per full block, each chained to the ones before it (as the prefix cache's);

@@ -24,6 +24,8 @@ def test_policies_pick_among_the_ranks_that_are_up():
     rr = RoundRobin()
     assert [rr.choose([1], {0: 0, 2: 0}) for _ in range(4)] == [0, 2, 0, 2]  # rank 1 is down
     assert LeastLoaded().choose([1], {0: 3, 1: 1, 2: 1}) == 1
+    idle = LeastLoaded()  # ties go round: idle ranks share a light load
+    assert [idle.choose([1], {0: 0, 1: 0, 2: 0}) for _ in range(4)] == [0, 1, 2, 0]
     affinity = PrefixAffinity(prefix_len=4, slack=2)
     home = affinity.choose([9, 9, 9, 9, 1], {0: 0, 1: 0})
     assert affinity.choose([9, 9, 9, 9, 2], {0: 0, 1: 0}) == home  # same prefix, same rank
