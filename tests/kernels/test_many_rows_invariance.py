@@ -114,3 +114,31 @@ def test_layers_take_the_kernels_in_batch_invariant_steps():
             got = layer(torch.from_numpy(x[:rows])).detach().numpy()
         assert not cpu_threads.batch_invariant()
         assert np.array_equal(got, product(fmt, arrays[fmt], x[:rows].copy(), None, 1)), fmt
+
+
+@pytest.mark.parametrize("k", [576, 640])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f32"])
+def test_every_row_of_a_many_row_product_is_its_one_row_product(fmt, k):
+    """All rows, not a sample, at the row counts whose tiles end in a partial group of
+    accumulators (9 = 8 + 1, 17), at full tiles (64) and at the few-row path's grouped sums
+    (4 to 8 rows), with a bias and an odd output count."""
+    rng = np.random.default_rng(3)
+    n = 45
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if fmt != "f32":
+        w = np.ascontiguousarray(quants.quantize(w, GGUF[fmt]))
+    x, bias = rng.standard_normal((64, k)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+
+    def run(rows: np.ndarray, threads: int) -> np.ndarray:
+        out = np.full((rows.shape[0], n), np.nan, np.float32)
+        if fmt == "f32":
+            _C.linear(rows, w, bias, out, threads)
+        else:
+            _C.packed_linear(rows, w, fmt, k, bias, out, threads)
+        return out
+
+    alone = np.concatenate([run(x[i:i + 1].copy(), 1) for i in range(64)])
+    assert not np.isnan(alone).any()
+    for m in (4, 6, 7, 8, 9, 17, 64):
+        for threads in (1, 2):
+            assert np.array_equal(run(x[:m].copy(), threads), alone[:m]), (m, threads)
