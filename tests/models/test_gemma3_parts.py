@@ -2,7 +2,8 @@
 Q4_K_M file's Q5_0 q/k next to a Q8_0 v; a Llama Q4_K_M file's Q4_K q/k next to a Q6_K v): a
 converted directory (model.safetensors with the values gguf dequantizes, packed/ with the
 blocks, as models/default_model.py writes one) loads with every part in its own format (or,
-for Q4_0/Q5_0/Q8_0 mixes, as one Q8_0 matrix the decode stack takes) and nothing widened, and greedy output equals transformers on the dequantized values."""
+for Q4_0/Q5_0/Q8_0 mixes, as one Q8_0 matrix the decode stack takes) and nothing widened,
+and greedy output equals transformers on the dequantized values."""
 
 from __future__ import annotations
 
