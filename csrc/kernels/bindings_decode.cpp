@@ -175,6 +175,36 @@ class DecodeStack {
     return w.data();
   }
 
+  PackedMatrix packed(const py::handle &array, const std::string &format, int out, int in, const std::string &what) {
+    WeightFormat f;
+    need(packed_format_named(format, &f), what + "unknown format '" + format + "' (f32, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k-q6_k, bf16_pairs)");
+    const auto w = array.cast<py::array_t<uint8_t, py::array::c_style>>();
+    const size_t row_bytes = packed_row_bytes(f, in);
+    need(row_bytes > 0 && w.ndim() == 2 && w.shape(0) == out && static_cast<size_t>(w.shape(1)) == row_bytes,
+         what + "packed weight must be [" + std::to_string(out) + ", " + std::to_string(row_bytes) + "] uint8");
+    need(f != WeightFormat::kBF16Pairs || out % 16 == 0, what + "bf16_pairs rows must be a multiple of 16");
+    keep_.push_back(w);
+    return PackedMatrix{w.data(), out, in, row_bytes, f};
+  }
+
+  // "q4_k+q6_k": one array a part, [rows_i, bytes a row] in row order, the rows adding up to `out`.
+  PackedParts parts(const py::list &arrays, const std::string &formats, int out, int in, const std::string &what) {
+    PackedParts result;
+    size_t start = 0;
+    for (const py::handle array : arrays) {
+      const size_t end = std::min(formats.find('+', start), formats.size());
+      const std::string format = formats.substr(start, end - start);
+      start = end + 1;
+      const auto w = array.cast<py::array>();
+      need(w.ndim() == 2, what + "each part must be a 2-d uint8 array");
+      result.push_back(packed(array, format, static_cast<int>(w.shape(0)), in, what));
+      need(result.back().format != WeightFormat::kBF16Pairs, what + "bf16_pairs cannot be a part");
+    }
+    need(start == formats.size() + 1 && result.size() >= 2, what + "want one array per format of '" + formats + "'");
+    need(packed_parts_rows(result) == out, what + "the parts' rows must add up to " + std::to_string(out));
+    return result;
+  }
+
   DecodeLinear linear(const py::tuple &spec, int out, int in, const char *name) {
     const std::string what = std::string(name) + ": ";
     need(spec.size() == 3, what + "want (weight, format, bias)");
@@ -188,16 +218,10 @@ class DecodeStack {
            what + "weight must be [" + std::to_string(out) + ", " + std::to_string(in) + "]");
       l.weight = w.data();
       keep_.push_back(w);
+    } else if (format.find('+') != std::string::npos) {
+      l.parts = parts(spec[0].cast<py::list>(), format, out, in, what);
     } else {
-      WeightFormat f;
-      need(packed_format_named(format, &f), what + "unknown format '" + format + "' (f32, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k-q6_k, bf16_pairs)");
-      const auto w = spec[0].cast<py::array_t<uint8_t, py::array::c_style>>();
-      const size_t row_bytes = packed_row_bytes(f, in);
-      need(row_bytes > 0 && w.ndim() == 2 && w.shape(0) == out && static_cast<size_t>(w.shape(1)) == row_bytes,
-           what + "packed weight must be [" + std::to_string(out) + ", " + std::to_string(row_bytes) + "] uint8");
-      need(f != WeightFormat::kBF16Pairs || out % 16 == 0, what + "bf16_pairs rows must be a multiple of 16");
-      l.matrix = PackedMatrix{w.data(), out, in, row_bytes, f};
-      keep_.push_back(w);
+      l.matrix = packed(spec[0], format, out, in, what);
     }
     if (!spec[2].is_none()) {
       const F32 b = spec[2].cast<F32>();

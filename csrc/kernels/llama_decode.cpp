@@ -14,7 +14,9 @@ namespace deepinfer {
 namespace {
 
 void project(const DecodeLinear &l, const float *x, float *y, int rows, int threads) {
-  if (l.matrix.data)
+  if (!l.parts.empty())
+    packed_parts_threaded(x, l.parts, l.bias, y, rows, threads);
+  else if (l.matrix.data)
     packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads);
   else
     linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);

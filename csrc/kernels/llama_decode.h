@@ -16,14 +16,18 @@
 #include <cstdint>
 #include <vector>
 
+#include "packed_parts.h"
 #include "packed_weights.h"
 #include "paged_attention.h"
 
 namespace deepinfer {
 
-// One projection: packed (matrix.data set) or fp32 [out, in] in nn.Linear's layout.
+// One projection: packed (matrix.data set), packed in parts of different formats (parts not
+// empty: a fused q/k/v or gate/up a GGUF file quantized part by part), or fp32 [out, in] in
+// nn.Linear's layout.
 struct DecodeLinear {
   PackedMatrix matrix{};          // packed weights, or matrix.data == nullptr
+  PackedParts parts;              // or these, in row order
   const float *weight = nullptr;  // fp32 [out, in] when not packed
   const float *bias = nullptr;    // [out] or nullptr
   int out = 0, in = 0;

@@ -78,7 +78,8 @@ class PackedParts:
 
 class PackedPartsLinear(PackedLinear):
     """PackedLinear over a PackedParts matrix. Its own type, so that code taking a single
-    format's bytes (the one-call decode stack checks `type(m) is PackedLinear`) passes it by."""
+    format's bytes (`type(m) is PackedLinear`) passes it by; the one-call decode stack takes
+    its parts (models/llama_cpu_decode.py)."""
 
     def __init__(self, weight: PackedParts, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)  # type: ignore[arg-type]

@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
     def stack_layers(self) -> bool:
         """Every layer is one the one-call decode stack runs (this file's decoder layer with
         its dense MLP); a family with layers of its own (MoE, DeepSeek's) overrides this.
-        The packed loader asks too: only stack layers need single-format matrices."""
+        The packed loader asks too: it joins Q4_0/Q5_0/Q8_0 parts into one Q8_0 matrix there."""
         return all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is LlamaMLP for layer in self.model.layers)
 
     def build_cpu_decode(self) -> LlamaCpuDecode | None:

@@ -28,6 +28,7 @@ import torch
 from deepinfer_dp import _C
 from deepinfer_dp.layers import attention, cpu_threads, packed
 from deepinfer_dp.layers import linear as cpu_linear
+from deepinfer_dp.layers.packed_parts import PackedParts, PackedPartsLinear
 
 ENABLED = True  # tests switch it off to compare against the module path
 
@@ -35,10 +36,11 @@ ENABLED = True  # tests switch it off to compare against the module path
 def _projection(mod) -> tuple[tuple, int] | None:
     """(the stack's (weight, format, bias) for `mod`, the rows its kernel takes), or None
     when `mod` is not a CPU kernel's linear."""
-    if type(mod) is packed.PackedLinear:
+    if type(mod) in (packed.PackedLinear, PackedPartsLinear):
         w = mod.weight_packed
         bias = None if mod.bias is None else mod.bias.detach().numpy()
-        return (w.data, w.format, bias), packed.KERNEL_MAX_ROWS
+        data = [p.data for p in w.parts] if isinstance(w, PackedParts) else w.data  # format "q4_k+q6_k"
+        return (data, w.format, bias), packed.KERNEL_MAX_ROWS
     if type(mod) is cpu_linear.CpuLinear:
         return (mod._weight_np, "f32", mod._bias_np), cpu_linear.KERNEL_MAX_ROWS
     return None

@@ -86,7 +86,8 @@ def build_packed_model(model_class: type[LlamaForCausalLM], config, weights: Wei
 def _install_packed(model: LlamaForCausalLM, weights: Weights) -> set[str]:
     """Swaps in packed modules; returns the checkpoint names they consumed."""
     used: set[str] = set()
-    # Only the one-call decode stack needs single-format matrices.
+    # In the layers the one-call decode stack runs, Q4_0/Q5_0/Q8_0 parts become one Q8_0
+    # matrix: one kernel call instead of two (the stack takes parts in other mixes).
     lift = model.stack_layers()
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
@@ -125,7 +126,7 @@ def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str
     used.update(names)
     if lift_to_q8_0 and len({w.format for w in parts}) > 1 and all(w.format in EXACT_IN_Q8_0 for w in parts):
         # Exact (Q4_0/Q5_0 values are Q8_0 values): more bytes than the parts as stored, but
-        # one format keeps the layer on the one-call decode stack.
+        # one kernel call a step.
         parts = [w.as_q8_0() for w in parts]
     # Adjacent parts of one format are one part (a Q4_K_M file's Q4_K q and k).
     runs = [_joined(list(run)) for _, run in groupby(parts, key=lambda w: w.format)]
