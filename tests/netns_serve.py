@@ -24,6 +24,10 @@ from netns_utils import NetnsCluster, in_netns
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
 # every multi-node test module's marks: slow, and only where namespaces can be made
+# Seconds of decode on the step-heavy model, on either kind of CPU this project runs on: with
+# 200 tokens an AVX2 machine's ranks once finished their streams (2 runs of 6) before
+# /health, up to a second old, showed them all in flight.
+LONG_TOKENS = 400
 NETNS_MARKS = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
@@ -115,7 +119,7 @@ def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: in
     async def one(client: httpx.AsyncClient, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        got = {"status": None, "text": "", "finish": None, "error": None, "done": False, "ended": None}
+        got = {"status": None, "text": "", "finish": None, "error": None, "done": False, "first": None, "ended": None}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             got["status"] = r.status_code
             if r.status_code != 200:
@@ -129,6 +133,7 @@ def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: in
                     if "error" in event:
                         got["error"] = event["error"]["message"]
                         continue
+                    got["first"] = got["first"] or time.monotonic()
                     got["text"] += event["choices"][0]["text"]
                     got["finish"] = event["choices"][0]["finish_reason"] or got["finish"]
         got["ended"] = time.monotonic()
@@ -156,11 +161,14 @@ def _ask_gcs(cluster: NetnsCluster, expression: str):
     """`expression` (over `ray` and `state`) evaluated by a driver on the head, with the token."""
     script = ("import json, ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR')\n"
               "from ray._private import state\n"
-              f"print(json.dumps({expression}))")
+              f"print('GCS-ANSWER ' + json.dumps({expression}))")
     out = subprocess.run(["ip", "netns", "exec", cluster.ns("head"), sys.executable, "-c", script,
                           cluster.ray_address], capture_output=True, text=True, env=cluster.env(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    # Ray may print its own warnings after the answer ("raylet has lagging heartbeats ...")
+    answers = [line for line in out.stdout.splitlines() if line.startswith("GCS-ANSWER ")]
+    assert answers, out.stdout[-3000:]
+    return json.loads(answers[-1].removeprefix("GCS-ANSWER "))
 
 
 def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int,
@@ -171,9 +179,13 @@ def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_t
     token, came too late on a loaded machine: a rank had finished its streams by then.)"""
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, cluster, url, prompts, max_tokens)
+        seen = []  # (when, each rank's in-flight count) as /health answered
         while (h := health(cluster, url)) is None or not all(r["inflight"] for r in h["ranks"]) \
                 or sum(r["inflight"] for r in h["ranks"]) < len(prompts):
-            assert not running.done(), f"the streams ended before they were all in flight: {running.result()}"
+            seen.append((round(time.monotonic(), 2), h and [r["inflight"] for r in h["ranks"]]))
+            if running.done():
+                streams = [{k: s[k] for k in ("status", "first", "ended", "finish")} for s in running.result()]
+                raise AssertionError(f"the streams ended before they were all in flight: {streams}; /health: {seen}")
             time.sleep(0.05)
         action()
         acted = time.monotonic()

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 from netns_serve import (  # noqa: E402
+    LONG_TOKENS,
     NETNS_MARKS,
     actors,
     cluster_fixture,
@@ -40,7 +41,6 @@ from test_data_plane_attack import attack, failed_handshakes, greets_as_zmq  # n
 
 PROMPTS = [f"Node {i} of the cluster says" for i in range(4)]
 MAX_TOKENS = 12
-LONG_TOKENS = 200  # seconds of decode on the step-heavy model
 pytestmark = NETNS_MARKS
 
 cluster = cluster_fixture("t", hosts={"intruder": 9})

@@ -13,6 +13,7 @@ import time
 
 import psutil
 from netns_serve import (
+    LONG_TOKENS,
     NETNS_MARKS,
     act_under_streams,
     actors,
@@ -28,7 +29,6 @@ from netns_serve import (
 
 PROMPTS = [f"Node {i} drops off and says" for i in range(4)]
 MAX_TOKENS = 12
-LONG_TOKENS = 200  # seconds of decode on the step-heavy model
 pytestmark = NETNS_MARKS
 
 cluster = cluster_fixture("l")

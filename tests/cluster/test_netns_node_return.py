@@ -11,6 +11,7 @@ import json
 import time
 
 from netns_serve import (
+    LONG_TOKENS,
     NETNS_MARKS,
     actors,
     cluster_fixture,
@@ -25,7 +26,6 @@ from netns_serve import (
 
 PROMPTS = [f"Node {i} comes back and says" for i in range(4)]
 MAX_TOKENS = 12
-LONG_TOKENS = 200  # seconds of decode on the step-heavy model
 pytestmark = NETNS_MARKS
 
 cluster = cluster_fixture("r")
