@@ -48,7 +48,7 @@ const uint16_t *block_of(const PackedMatrix &w, int row) {
   return reinterpret_cast<const uint16_t *>(w.data) + static_cast<size_t>(row / kLanes) * w.cols * kLanes;
 }
 
-// The reference order, one output at a time (CPUs without AVX-512).
+// The reference order, one output at a time (CPUs without AVX2).
 void scalar_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
   const int K = w.cols, steps = K / 2;
   for (int m = 0; m < M; ++m) {
@@ -185,6 +185,70 @@ __attribute__((target("avx512f,avx512bw"))) void round_avx512(const float *x, si
   }
   for (; i < count; ++i) out[i] = round_bf16(x[i]);
 }
+
+// The widened path on 256-bit vectors (CPUs with AVX2 and no AVX-512): a block of 16 rows is
+// two vectors of 8 outputs, each step the same two rounded, flushed adds as dot_step's.
+#define BF16_AVX2 __attribute__((target("avx2,fma")))
+
+BF16_AVX2 inline __m256 flush256(__m256 acc) {
+  const __m256 sign = _mm256_set1_ps(-0.f), tiny = _mm256_set1_ps(FLT_MIN);
+  const __m256 small = _mm256_cmp_ps(_mm256_andnot_ps(sign, acc), tiny, _CMP_LT_OQ);
+  return _mm256_blendv_ps(acc, _mm256_and_ps(acc, sign), small);
+}
+
+BF16_AVX2 inline __m256 dot_step256(__m256 acc, __m256i w, __m256i x) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = flush256(_mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w, hi)),
+                                 _mm256_castsi256_ps(_mm256_and_si256(x, hi)), acc));
+  return flush256(_mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), acc));
+}
+
+// The block of 16 rows from `first` against MB input rows; the lanes in [n0, n1) are stored.
+template <int MB>
+BF16_AVX2 void tile256(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int first, int n0,
+                       int n1) {
+  const int K = w.cols, steps = K / 2;
+  const uint16_t *wb = block_of(w, first);
+  __m256 acc[2][MB];
+  for (int j = 0; j < MB; ++j) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+  for (int p = 0; p < steps; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + 32 * p));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(wb + 32 * p + 16));
+    for (int j = 0; j < MB; ++j) {
+      int pair;
+      std::memcpy(&pair, xb + static_cast<size_t>(j) * K + 2 * p, 4);
+      const __m256i xv = _mm256_set1_epi32(pair);
+      acc[0][j] = dot_step256(acc[0][j], w0, xv);
+      acc[1][j] = dot_step256(acc[1][j], w1, xv);
+    }
+  }
+  const int lo = std::max(n0 - first, 0), hi = std::min(n1 - first, kLanes);
+  for (int j = 0; j < MB; ++j) {
+    float out[kLanes];
+    _mm256_storeu_ps(out, acc[0][j]);
+    _mm256_storeu_ps(out + 8, acc[1][j]);
+    float *yr = y + static_cast<size_t>(j) * w.rows + first;
+    for (int l = lo; l < hi; ++l) yr[l] = bias ? out[l] + bias[first + l] : out[l];
+  }
+}
+
+// Each block of the range against all M rows, 4 at a time (the block stays in L1 meanwhile).
+BF16_AVX2 void avx2_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
+                            int n1) {
+  const size_t K = w.cols, N = w.rows;
+  const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
+  for (int first = n0 / kLanes * kLanes; first < end; first += kLanes) {
+    int m = 0;
+    for (; m + 4 <= M; m += 4) tile256<4>(xb + m * K, w, bias, y + m * N, first, n0, n1);
+    switch (M - m) {
+      case 3: tile256<3>(xb + m * K, w, bias, y + m * N, first, n0, n1); break;
+      case 2: tile256<2>(xb + m * K, w, bias, y + m * N, first, n0, n1); break;
+      case 1: tile256<1>(xb + m * K, w, bias, y + m * N, first, n0, n1); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 bool env_off(const char *name) {
@@ -200,6 +264,8 @@ bool bf16_dot_path_available(Bf16DotPath path) {
   static const bool bf16 = __builtin_cpu_supports("avx512bf16");
   if (path == Bf16DotPath::kNative) return bf16 && packed_avx512_enabled();
   if (path == Bf16DotPath::kWiden512) return packed_avx512_enabled();
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (path == Bf16DotPath::kWiden256) return avx2;
 #endif
   return path == Bf16DotPath::kScalar;
 }
@@ -209,6 +275,7 @@ Bf16DotPath bf16_dot_default_path() {
     if (bf16_dot_path_available(Bf16DotPath::kAmx)) return Bf16DotPath::kAmx;
     if (bf16_dot_path_available(Bf16DotPath::kNative) && !env_off("DEEPINFER_DP_BF16_DOT")) return Bf16DotPath::kNative;
     if (bf16_dot_path_available(Bf16DotPath::kWiden512)) return Bf16DotPath::kWiden512;
+    if (bf16_dot_path_available(Bf16DotPath::kWiden256)) return Bf16DotPath::kWiden256;
     return Bf16DotPath::kScalar;
   }();
   return path;
@@ -219,6 +286,7 @@ const char *bf16_dot_path_name(Bf16DotPath path) {
     case Bf16DotPath::kAmx: return "amx";
     case Bf16DotPath::kNative: return "native";
     case Bf16DotPath::kWiden512: return "widen512";
+    case Bf16DotPath::kWiden256: return "widen256";
     case Bf16DotPath::kScalar: return "scalar";
   }
   return "?";
@@ -264,13 +332,16 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
     return bf16_amx_columns(xb.data(), w, bias, y, M, n_begin, n_end);
   }
   if (path == Bf16DotPath::kAmx)  // this matrix's path without AMX: fixed per matrix
-    path = bf16_dot_path_available(Bf16DotPath::kNative) ? Bf16DotPath::kNative
-           : bf16_dot_path_available(Bf16DotPath::kWiden512) ? Bf16DotPath::kWiden512 : Bf16DotPath::kScalar;
+    path = bf16_dot_path_available(Bf16DotPath::kNative)     ? Bf16DotPath::kNative
+           : bf16_dot_path_available(Bf16DotPath::kWiden512) ? Bf16DotPath::kWiden512
+           : bf16_dot_path_available(Bf16DotPath::kWiden256) ? Bf16DotPath::kWiden256
+                                                              : Bf16DotPath::kScalar;
   xb.resize(static_cast<size_t>(M) * w.cols);
   bf16_round_rows(x, M, w.cols, xb.data());
 #ifdef DEEPINFER_BF16_X86
   if (path == Bf16DotPath::kNative) return simd_columns<true>(xb.data(), w, bias, y, M, n_begin, n_end);
   if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb.data(), w, bias, y, M, n_begin, n_end);
+  if (path == Bf16DotPath::kWiden256) return avx2_columns(xb.data(), w, bias, y, M, n_begin, n_end);
 #endif
   scalar_columns(xb.data(), w, bias, y, M, n_begin, n_end);
 }

@@ -24,12 +24,14 @@
 namespace deepinfer {
 
 // kAmx: AMX tiles (bf16_amx.h; its own floats, for matrices with cols % 32 == 0; others
-// take the next path); kNative: vdpbf16ps; kWiden512 and kScalar: vdpbf16ps's floats.
-enum class Bf16DotPath { kAmx, kNative, kWiden512, kScalar };
+// take the next path); kNative: vdpbf16ps; kWiden512, kWiden256 and kScalar: vdpbf16ps's
+// floats.
+enum class Bf16DotPath { kAmx, kNative, kWiden512, kWiden256, kScalar };
 
 // AMX where bf16_amx_available(), else vdpbf16ps where the CPU has it (and
 // DEEPINFER_DP_BF16_DOT is not "0"), else 512-bit widening where AVX-512 is on
-// (packed_avx512_enabled), else scalar code. Read once.
+// (packed_avx512_enabled), else 256-bit widening where the CPU has AVX2 and FMA, else
+// scalar code. Read once.
 Bf16DotPath bf16_dot_default_path();
 const char *bf16_dot_path_name(Bf16DotPath path);
 // Whether `path` can run on this CPU.

@@ -30,12 +30,13 @@ void need(bool ok, const char *op, const std::string &what) {
 
 Bf16DotPath parse_path(const std::string &name, const char *op) {
   if (name == "auto") return bf16_dot_default_path();
-  for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kScalar})
+  for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kWiden256,
+                           Bf16DotPath::kScalar})
     if (name == bf16_dot_path_name(p)) {
       need(bf16_dot_path_available(p), op, "path '" + name + "' cannot run on this CPU");
       return p;
     }
-  throw py::value_error(std::string(op) + ": unknown path '" + name + "' (auto, amx, native, widen512, scalar)");
+  throw py::value_error(std::string(op) + ": unknown path '" + name + "' (auto, amx, native, widen512, widen256, scalar)");
 }
 
 void pack_py(const U16 &src, U8 &out) {
@@ -95,7 +96,7 @@ void bind_bf16_kernels(py::module_ &m) {
         py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         py::arg("path") = "auto",
         "out[M, N] = bf16(x) @ W.T (+ bias) with fp32 accumulation, W in the 'bf16_pairs' layout;\n"
-        "path: auto, amx, native (vdpbf16ps), widen512 or scalar: the last three give the same floats.");
+        "path: auto, amx, native (vdpbf16ps), widen512, widen256 or scalar: the last four give the same floats.");
   m.def("dot_peak_gflops", [](bool bf16, long iters) {
         py::gil_scoped_release release;
         return dot_peak_gflops(bf16, iters);
@@ -104,12 +105,13 @@ void bind_bf16_kernels(py::module_ &m) {
         "or 512-bit fp32 FMA; 0 where the CPU lacks them.");
   m.def("bf16_dot_paths", [] {
         std::vector<std::string> out;
-        for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kScalar})
+        for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kWiden256,
+                           Bf16DotPath::kScalar})
           if (bf16_dot_path_available(p)) out.emplace_back(bf16_dot_path_name(p));
         return out;
       }, "The bf16 product's paths this process can run.");
   m.def("bf16_dot_path", [] { return std::string(bf16_dot_path_name(bf16_dot_default_path())); },
-        "The path bf16 products take in this process (amx, native, widen512 or scalar).");
+        "The path bf16 products take in this process (amx, native, widen512, widen256 or scalar).");
 }
 
 }  // namespace deepinfer

@@ -20,7 +20,7 @@ from deepinfer_dp import _C
 from deepinfer_dp.layers.packed import PackedLinear, PackedWeight
 
 # The paths that add in vdpbf16ps's order (AMX has its own: test_amx_*).
-PATHS = [p for p in ("native", "widen512", "scalar") if p in _C.bf16_dot_paths()]
+PATHS = [p for p in ("native", "widen512", "widen256", "scalar") if p in _C.bf16_dot_paths()]
 AMX = "amx" in _C.bf16_dot_paths()
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 
@@ -162,7 +162,7 @@ np.save(sys.argv[3], out)
 
 @pytest.mark.parametrize("env, path", [({"DEEPINFER_DP_BF16_AMX": "0"}, "native"),
                                        ({"DEEPINFER_DP_BF16_AMX": "0", "DEEPINFER_DP_BF16_DOT": "0"}, "widen512"),
-                                       ({"DEEPINFER_DP_PACKED_AVX512": "0"}, "scalar")])
+                                       ({"DEEPINFER_DP_PACKED_AVX512": "0"}, "widen256")])
 def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path):
     """The switches are read once per process, so each runs in a child; its default path
     gives the floats of that path here."""
