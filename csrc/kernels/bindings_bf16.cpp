@@ -28,10 +28,12 @@ void need(bool ok, const char *op, const std::string &what) {
   if (!ok) throw py::value_error(std::string(op) + ": " + what);
 }
 
+const Bf16DotPath kPaths[] = {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512,
+                               Bf16DotPath::kWiden256, Bf16DotPath::kScalar};
+
 Bf16DotPath parse_path(const std::string &name, const char *op) {
   if (name == "auto") return bf16_dot_default_path();
-  for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kWiden256,
-                           Bf16DotPath::kScalar})
+  for (Bf16DotPath p : kPaths)
     if (name == bf16_dot_path_name(p)) {
       need(bf16_dot_path_available(p), op, "path '" + name + "' cannot run on this CPU");
       return p;
@@ -105,8 +107,7 @@ void bind_bf16_kernels(py::module_ &m) {
         "or 512-bit fp32 FMA; 0 where the CPU lacks them.");
   m.def("bf16_dot_paths", [] {
         std::vector<std::string> out;
-        for (Bf16DotPath p : {Bf16DotPath::kAmx, Bf16DotPath::kNative, Bf16DotPath::kWiden512, Bf16DotPath::kWiden256,
-                           Bf16DotPath::kScalar})
+        for (Bf16DotPath p : kPaths)
           if (bf16_dot_path_available(p)) out.emplace_back(bf16_dot_path_name(p));
         return out;
       }, "The bf16 product's paths this process can run.");
