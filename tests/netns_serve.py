@@ -23,11 +23,11 @@ from netns_utils import NetnsCluster, in_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
-# every multi-node test module's marks: slow, and only where namespaces can be made
-# Seconds of decode on the step-heavy model, on either kind of CPU this project runs on: with
-# 200 tokens an AVX2 machine's ranks once finished their streams (2 runs of 6) before
-# /health, up to a second old, showed them all in flight.
+# The streams a test acts under: seconds of decode on the step-heavy model. At 200 tokens an
+# AVX2-only machine, under another job's load, finished them before /health showed them all
+# in flight (2 runs of 6).
 LONG_TOKENS = 400
+# every multi-node test module's marks: slow, and only where namespaces can be made
 NETNS_MARKS = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
