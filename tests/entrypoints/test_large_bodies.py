@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -26,29 +25,31 @@ def server(tmp_path_factory):
 
 
 def test_get_is_answered_while_a_large_body_parses(server, monkeypatch):
-    started, marks = threading.Event(), {}
+    """The parse is held open until the GET is answered: on the event loop, the GET could not be
+    answered at all while it is held, and its timeout fails the test. No race on timings."""
+    started, release, held = threading.Event(), threading.Event(), {}
     real = request_body.validate_body
 
-    def timed(model, body, content_type):
+    def held_open(model, body, content_type):
         started.set()
-        try:
-            return real(model, body, content_type)
-        finally:
-            marks["parsed"] = time.monotonic()
+        held["released_by_get"] = release.wait(60)
+        return real(model, body, content_type)
 
-    monkeypatch.setattr(request_body, "validate_body", timed)
+    monkeypatch.setattr(request_body, "validate_body", held_open)
     raw = json.dumps(BIG_CHAT).encode()
     assert len(raw) > 10 * request_body.OFF_LOOP_BYTES
     result = {}
     post = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         server.url + "/v1/chat/completions", content=raw, headers=JSON, timeout=None)))
     post.start()
-    started.wait()
-    r = httpx.get(server.url + "/v1/models", timeout=None)
-    answered = time.monotonic()
-    post.join()
+    try:
+        assert started.wait(60)
+        r = httpx.get(server.url + "/v1/models", timeout=20)
+    finally:
+        release.set()
+        post.join()
     assert r.status_code == 200
-    assert answered < marks["parsed"]  # the GET did not wait for the parse
+    assert held["released_by_get"]  # the parse was still waiting when the GET was answered
     assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == "messages"
 
 
