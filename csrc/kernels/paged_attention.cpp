@@ -221,7 +221,7 @@ AVX2_INLINE void prefetch_rows(const T *p, size_t row, int width, int n) {
     for (int b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char *>(p) + b, _MM_HINT_T0);
 }
 
-// AVX2 path for head sizes 64 and 128: the `group` query heads that share one KV head, of
+// AVX2 path for head sizes 64, 128 and 256: the `group` query heads that share one KV head, of
 // each of the chunk's queries (consecutive queries of one sequence: a decode token alone, or
 // the tokens of a verification step or short prefill chunk), go through its positions
 // together, block by block, so each K and V row comes from memory once and is reused from L1
@@ -293,6 +293,8 @@ ChunkFn<T> pick_chunk_fn(int head_dim) {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     if (head_dim == 64) return &attend_chunk_avx2<64, T, HeadsAvx2>;
     if (head_dim == 128) return &attend_chunk_avx2<128, T, HeadsAvx2>;
+    // Gemma's 256 (with AVX-512 too: the AVX2 form, whose floats the 512-bit one's equal)
+    if (head_dim == 256) return &attend_chunk_avx2<256, T, HeadsAvx2>;
   }
 #endif
   (void)head_dim;

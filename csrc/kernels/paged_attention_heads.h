@@ -78,8 +78,14 @@ DEEPINFER_ATTN_AVX2 void scores(const float *const *qh, const T *kt, size_t row,
 }
 
 // out[q][0, D) += the n probabilities ph[q] times the V rows from vt on, for one query head.
+// Past 128 dimensions the accumulators would not fit the 16 registers: slices of 64, each
+// element's chain over the positions unchanged.
 template <int D, class T>
 DEEPINFER_ATTN_AVX2 void values1(const float *ph, const T *vt, size_t row, int n, float *out) {
+  if constexpr (D > 128) {
+    for (int s = 0; s < D; s += 64) values1<64, T>(ph, vt + s, row, n, out + s);
+    return;
+  }
   constexpr int R = D / 8;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(out + 8 * r);

@@ -35,6 +35,7 @@ def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_s
     (8, 8, 128, 4),    # no GQA, head size 128 (AVX2)
     (4, 2, 40, 8),     # a head size without a vector path (portable loop)
     (6, 1, 64, 32),    # all query heads on one KV head
+    (4, 1, 256, 16),   # Gemma 3's head size 256 (AVX2, the V pass in slices of 64)
 ])
 def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
     q, k_cache, v_cache, md = random_case(7, heads, kv_heads, head_dim, block_size)
@@ -123,7 +124,7 @@ def test_threads_split_the_batch_without_changing_results():
     assert torch.equal(run(2), one) and torch.equal(run(5), one) and torch.equal(run(16), one)
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])  # the AVX2 chunk path and the portable loop
+@pytest.mark.parametrize("head_dim", [64, 256, 40])  # the AVX2 chunk path and the portable loop
 def test_queries_of_one_sequence_attended_together_equal_each_alone(head_dim):
     """A verification step's tokens (one sequence, consecutive positions) go through the K/V
     together, a few at a time; each token's output must be the one it gets alone, bit for
