@@ -115,13 +115,15 @@ def complete(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: in
     """Greedy streams of `prompts`, all at once, from the head's namespace: each one's HTTP
     status, text, finish reason, error (event, or the body of a 503: the server answers with a
     status while no byte of the stream has gone out, so a rank lost before a stream's first
-    token fails it that way), whether [DONE] came and when it ended (monotonic)."""
+    token fails it that way), whether [DONE] came, and when (monotonic) it was sent, its
+    response opened, its first token came and it ended."""
     async def one(client: httpx.AsyncClient, prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        got = {"status": None, "text": "", "finish": None, "error": None, "done": False, "first": None, "ended": None}
+        got = {"status": None, "text": "", "finish": None, "error": None, "done": False, "first": None, "ended": None,
+               "sent": time.monotonic(), "opened": None}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            got["status"] = r.status_code
+            got["status"], got["opened"] = r.status_code, time.monotonic()
             if r.status_code != 200:
                 assert r.status_code == 503, await r.aread()
                 got["error"] = json.loads(await r.aread())["error"]["message"]
@@ -179,13 +181,21 @@ def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_t
     token, came too late on a loaded machine: a rank had finished its streams by then.)"""
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, cluster, url, prompts, max_tokens)
-        seen = []  # (when, each rank's in-flight count) as /health answered
-        while (h := health(cluster, url)) is None or not all(r["inflight"] for r in h["ranks"]) \
-                or sum(r["inflight"] for r in h["ranks"]) < len(prompts):
-            seen.append((round(time.monotonic(), 2), h and [r["inflight"] for r in h["ranks"]]))
+        seen = []  # (asked when, answered how many seconds later, each rank's in-flight count)
+        while True:
+            asked = time.monotonic()
+            h = health(cluster, url)
+            if h is not None and all(r["inflight"] for r in h["ranks"]) \
+                    and sum(r["inflight"] for r in h["ranks"]) >= len(prompts):
+                break
+            ranks = h and [(r["inflight"], r["up"], r.get("reason")) for r in h["ranks"]]
+            seen.append((round(asked, 2), round(time.monotonic() - asked, 2), ranks))
             if running.done():
-                streams = [{k: s[k] for k in ("status", "first", "ended", "finish")} for s in running.result()]
-                raise AssertionError(f"the streams ended before they were all in flight: {streams}; /health: {seen}")
+                streams = [{k: s[k] for k in ("status", "sent", "opened", "first", "ended", "finish")}
+                           for s in running.result()]
+                log = cluster.dir / "serve.log"
+                raise AssertionError(f"the streams ended before they were all in flight: {streams}; /health: {seen}; "
+                                     f"serve.log: {log.read_text()[-4000:] if log.exists() else None}")
             time.sleep(0.05)
         action()
         acted = time.monotonic()
