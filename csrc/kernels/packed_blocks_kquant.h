@@ -71,23 +71,25 @@ DEEPINFER_AVX2_FN void prepare_k6(const uint8_t *b, K6Scales &st) {
 
 // ---- AVX2: one row ----
 
-// Bit 8i + j of qh as 16 in lane j: the fifth bit of Q5 values 8i..8i+7.
-DEEPINFER_AVX2_FN __m256i q5_high(uint32_t qh, int i) {
-  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * i))), shifts);
-  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4);
+// Bit 8i + j of qh (broadcast in every lane of qh8) as 16 in lane j: the fifth bit of Q5 values
+// 8i..8i+7. A mask and a compare per lane: a variable shift of qh broadcast anew for each 8
+// values took more instructions than the rest of the widening, which bounds Q5_0 at one row.
+DEEPINFER_AVX2_FN __m256i q5_high(__m256i qh8, int i) {
+  const __m256i bit = _mm256_sllv_epi32(_mm256_set1_epi32(1 << (8 * i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(qh8, bit), bit), _mm256_set1_epi32(16));
 }
 
 // A Q5 block's 32 values (0-31) from its 4 bytes of fifth bits and 16 bytes of nibbles.
 DEEPINFER_AVX2_FN void q5_values(const uint8_t *qh_bytes, const uint8_t *qs, __m256i q[4]) {
   uint32_t qh;
   std::memcpy(&qh, qh_bytes, 4);
+  const __m256i qh8 = _mm256_set1_epi32(static_cast<int>(qh));
   const __m256i mask = _mm256_set1_epi32(0x0f), a = bytes8(qs), b = bytes8(qs + 8);
   q[0] = _mm256_and_si256(a, mask);
   q[1] = _mm256_and_si256(b, mask);
   q[2] = _mm256_srli_epi32(a, 4);
   q[3] = _mm256_srli_epi32(b, 4);
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_or_si256(q[i], q5_high(qh, i));
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_or_si256(q[i], q5_high(qh8, i));
 }
 
 DEEPINFER_AVX2_FN void widen_q5_0(const uint8_t *b, int, const NoState &, __m256 w[4]) {
