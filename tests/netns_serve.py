@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,13 +25,11 @@ from netns_utils import NetnsCluster, in_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
-# The streams a test acts under: seconds of decode on the step-heavy model. At 200 tokens an
-# AVX2-only machine, under another job's load, finished them before /health showed them all
-# in flight (2 runs of 6).
+# The streams a test acts under: seconds of decode on the step-heavy model.
 LONG_TOKENS = 400
-# every multi-node test module's marks: slow, and only where namespaces can be made
+# every multi-node test module's marks: only where namespaces can be made. They run by default
+# (about 5 minutes in all on 2 cores).
 NETNS_MARKS = [
-    pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
 ]
 
@@ -57,12 +57,15 @@ def cluster_fixture(prefix: str, workers: int = 2, hosts: dict[str, int] | None 
 def build_step_heavy_model(path: Path) -> str:
     """A random Llama (with the tiny tokenizer) whose decode step takes milliseconds, not
     tenths of one: a stream of a few hundred tokens then lasts seconds, long enough to still
-    be running when the test acts on it (/health's in-flight counts are up to a second old)."""
+    be running when the test acts on it. Its 24 layers keep the tokens a second few enough that
+    an API server short of CPU (the machine busy with another job) relays them as they come: at
+    8 layers such a server fell seconds behind, and a stream's POST, its tokens and /health
+    waited behind the backlog until the ranks had finished the streams."""
     from model_utils import write_tiny_model
     from transformers import LlamaConfig
 
     def config(vocab_size: int) -> LlamaConfig:
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=24,
                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                            rms_norm_eps=1e-5, initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -173,30 +176,72 @@ def _ask_gcs(cluster: NetnsCluster, expression: str):
     return json.loads(answers[-1].removeprefix("GCS-ANSWER "))
 
 
+# /health asked every 50 ms by a process of its own in the head's namespace, one JSON line an
+# answer: {"asked", "answered" (monotonic, as this process reads it), "health" (None: no answer)}.
+POLLER = """
+import json, sys, time, httpx
+with httpx.Client(timeout=10) as client:
+    while True:
+        asked = time.monotonic()
+        try:
+            health = client.get(sys.argv[1] + "/health").json()
+        except (httpx.TransportError, ValueError):
+            health = None
+        print(json.dumps({"asked": asked, "answered": time.monotonic(), "health": health}), flush=True)
+        time.sleep(0.05)
+"""
+
+
+@contextlib.contextmanager
+def health_readings(cluster: NetnsCluster, url: str) -> Iterator[queue.Queue]:
+    """POLLER's readings of `url`'s /health, as they come (a thread feeds them to the queue).
+    A process of its own: from a thread of the test's process (in_netns) a reading took up to
+    14 s on a loaded machine while the server answered curl from another process in 40 ms,
+    and the streams the test acts under had ended by then."""
+    proc = subprocess.Popen(["ip", "netns", "exec", cluster.ns("head"), sys.executable, "-c", POLLER, url],
+                            stdout=subprocess.PIPE, text=True, env=cluster.env())
+    readings: queue.Queue = queue.Queue()
+    feeder = threading.Thread(target=lambda: [readings.put(json.loads(line)) for line in proc.stdout], daemon=True)
+    feeder.start()
+    try:
+        yield readings
+    finally:
+        proc.kill()
+        proc.wait()
+        feeder.join(timeout=10)
+
+
 def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_tokens: int,
                       action: Callable[[], None]) -> tuple[float, list[dict]]:
     """Streams `prompts`; once the router holds every one of them in flight and every rank has
     some (/health's `inflight`: the ranks are generating them), runs `action`. Returns when
     it ran (monotonic) and the streams' results. (A client-side trigger, every stream's first
     token, came too late on a loaded machine: a rank had finished its streams by then.)"""
-    with ThreadPoolExecutor(1) as pool:
+    def all_in_flight(h: dict | None) -> bool:
+        return h is not None and all(r["inflight"] for r in h["ranks"]) \
+            and sum(r["inflight"] for r in h["ranks"]) >= len(prompts)
+
+    with ThreadPoolExecutor(1) as pool, health_readings(cluster, url) as readings:
         running = pool.submit(complete, cluster, url, prompts, max_tokens)
-        seen = []  # (asked when, answered how many seconds later, each rank's in-flight count)
+        seen = []  # (asked when, answered how many seconds later, each rank's in-flight, up, reason)
         while True:
-            asked = time.monotonic()
-            h = health(cluster, url)
-            if h is not None and all(r["inflight"] for r in h["ranks"]) \
-                    and sum(r["inflight"] for r in h["ranks"]) >= len(prompts):
-                break
-            ranks = h and [(r["inflight"], r["up"], r.get("reason")) for r in h["ranks"]]
-            seen.append((round(asked, 2), round(time.monotonic() - asked, 2), ranks))
+            try:
+                reading = readings.get(timeout=0.5)
+            except queue.Empty:
+                reading = None
+            if reading is not None:
+                h = reading["health"]
+                if all_in_flight(h):
+                    break
+                seen.append((round(reading["asked"], 2), round(reading["answered"] - reading["asked"], 2),
+                             h and [(r["inflight"], r["up"], r.get("reason")) for r in h["ranks"]]))
             if running.done():
                 streams = [{k: s[k] for k in ("status", "sent", "opened", "first", "ended", "finish")}
                            for s in running.result()]
                 log = cluster.dir / "serve.log"
-                raise AssertionError(f"the streams ended before they were all in flight: {streams}; /health: {seen}; "
+                raise AssertionError(f"the streams ended before they were all in flight: {streams}; "
+                                     f"/health: {seen[-40:]}; "
                                      f"serve.log: {log.read_text()[-4000:] if log.exists() else None}")
-            time.sleep(0.05)
         action()
         acted = time.monotonic()
         return acted, running.result()
