@@ -141,8 +141,12 @@ class NetnsCluster:
         return f"{PREFIX}{self.id}-{name}"
 
     def env(self) -> dict[str, str]:
-        """What a Ray client of this cluster needs: token auth on, with this cluster's token."""
-        return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+        """What a Ray client of this cluster needs: token auth on, with this cluster's token. Not
+        the single-node switch a private loopback instance of the same test session set in
+        os.environ (ray_launcher._loopback_only): under it `ray start` on a worker node refuses
+        to join ("Multi-node Ray clusters are not supported on Windows and OSX")."""
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+        return {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
                 "RAY_USAGE_STATS_ENABLED": "0"}
 
     # ---- network ------------------------------------------------------------------------
