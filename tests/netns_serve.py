@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
 # The streams a test acts under: seconds of decode on the step-heavy model.
 LONG_TOKENS = 400
-# every multi-node test module's marks: slow, and only where namespaces can be made. (In the
-# default run, after the other Ray tests, `ray start` on a worker node refused to join:
-# "Multi-node Ray clusters are not supported on Windows and OSX"; not yet understood.)
+# every multi-node test module's marks: slow, and only where namespaces can be made. (Slow until
+# a default run with them passes: there `ray start` on a worker node had inherited a loopback
+# instance's single-node switch, which NetnsCluster.env() now leaves out.)
 NETNS_MARKS = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
