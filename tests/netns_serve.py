@@ -27,11 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "netns_tiny_dp2.yaml"
 # The streams a test acts under: seconds of decode on the step-heavy model.
 LONG_TOKENS = 400
-# every multi-node test module's marks: slow, and only where namespaces can be made. (Slow until
-# a default run with them passes: there `ray start` on a worker node had inherited a loopback
-# instance's single-node switch, which NetnsCluster.env() now leaves out.)
+# every multi-node test module's marks: they run only where namespaces can be made. (A worker
+# node's `ray start` must not inherit a loopback instance's single-node switch, which an earlier
+# test of the same session sets: NetnsCluster.env() leaves it out.)
 NETNS_MARKS = [
-    pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
 ]
 
