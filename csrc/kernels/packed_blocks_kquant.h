@@ -71,6 +71,17 @@ DEEPINFER_AVX2_FN void prepare_k6(const uint8_t *b, K6Scales &st) {
 
 // ---- AVX2: one row ----
 
+// 32 int8 bytes, value j in byte j, as four vectors of eight 32-bit lanes: values 8i..8i+7 in
+// q[i]. For Q6_K, reducing a piece to its 32 value bytes first, 32 at
+// a time, and widening last is 1.25x faster at one row than doing its bit work in 32-bit
+// lanes, 8 values at a time (two loads and widenings per 8 values there). Q5_0 measured
+// 0.9-0.97x this way: its 16 nibble bytes widen with two loads for all 32 values.
+DEEPINFER_AVX2_FN void byte_values(__m256i bytes, __m256i q[4]) {
+  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+  const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi8_epi32(parts[i]);
+}
+
 // Bit 8i + j of qh (broadcast in every lane of qh8) as 16 in lane j: the fifth bit of Q5 values
 // 8i..8i+7. A mask and a compare per lane: a variable shift of qh broadcast anew for each 8
 // values took more instructions than the rest of the widening, which bounds Q5_0 at one row.
@@ -141,13 +152,14 @@ DEEPINFER_AVX2_FN void widen_q6_k(const uint8_t *b, int s, const K6Scales &st, _
   const uint8_t *ql = b + 64 * h + 32 * (c & 1), *qh = b + 128 + 32 * h;
   const __m256 d0 = _mm256_broadcast_ss(st.d + 2 * s), d1 = _mm256_broadcast_ss(st.d + 2 * s + 1);
   const __m128i lshift = _mm_cvtsi32_si128(4 * (c >> 1)), hshift = _mm_cvtsi32_si128(2 * c);
-  const __m256i mask = _mm256_set1_epi32(0x0f), three = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
-  for (int i = 0; i < 4; ++i) {
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql + 8 * i), lshift), mask);
-    const __m256i hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(bytes8(qh + 8 * i), hshift), three), 4);
-    const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), off);
-    w[i] = _mm256_mul_ps(i < 2 ? d0 : d1, _mm256_cvtepi32_ps(q));
-  }
+  // Shifts in 16-bit lanes, then a byte mask: each byte keeps only its own bits.
+  const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql)), lshift),
+                                      _mm256_set1_epi8(0x0f));
+  const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh)), hshift),
+                                      _mm256_set1_epi8(3));
+  __m256i q[4];
+  byte_values(_mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32)), q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(i < 2 ? d0 : d1, _mm256_cvtepi32_ps(q[i]));
 }
 
 // ---- AVX-512: the same piece of two rows, one per 256-bit half ----
