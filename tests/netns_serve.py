@@ -262,6 +262,16 @@ def split_lost(streams: list[dict]) -> tuple[list[dict], list[dict]]:
     return [s for s in streams if s["error"] is not None], [s for s in streams if s["error"] is None]
 
 
+def streams_seen(streams: list[dict], acted: float) -> list[dict]:
+    """What an assertion on `streams` should print: each one's status, finish, error, text
+    length, and when it opened, got its first token and ended, in seconds after `acted`."""
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - acted, 2)
+
+    return [{"status": s["status"], "finish": s["finish"], "error": s["error"], "chars": len(s["text"]),
+             "opened": since(s["opened"]), "first": since(s["first"]), "ended": since(s["ended"])} for s in streams]
+
+
 def failed_on_lost_rank(stream: dict) -> bool:
     """`stream` ended with an error naming the lost rank: an error event then [DONE], or a 503
     when the rank was lost before the stream's first byte went out."""
