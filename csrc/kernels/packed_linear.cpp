@@ -25,7 +25,10 @@ constexpr int kGroupRows = 12;
 // 3 x 4 register tiles on widened rows reuse each loaded input vector three times. With
 // several weight rows per pass (below) it is 1.1-1.3x faster again at 7 and 8 rows.
 constexpr int kFewRows = 8;
-constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernels prefetch
+// How far ahead in rows the fused kernels prefetch: at one input row a matrix streamed from
+// memory needs its lines some 10-20 KB ahead (Gemma 3's Q8_0 lm_head has 680-byte rows); 4
+// rows ahead left part of the read bandwidth unused.
+constexpr int kAheadRows = 32;
 // Packed bytes per thread below which splitting is not worth waking a worker (about what
 // the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
 constexpr int64_t kMinBytesPerThread = 1 << 15;
