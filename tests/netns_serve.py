@@ -223,6 +223,9 @@ def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_t
             and sum(r["inflight"] for r in h["ranks"]) >= len(prompts)
 
     with ThreadPoolExecutor(1) as pool, health_readings(cluster, url) as readings:
+        # The poller's first answer before the streams start: on a loaded machine its start
+        # (a Python process importing httpx) took 15 s, longer than the streams lasted.
+        readings.get(timeout=120)
         running = pool.submit(complete, cluster, url, prompts, max_tokens)
         seen = []  # (asked when, answered how many seconds later, each rank's in-flight, up, reason)
         while True:
