@@ -72,10 +72,9 @@ DEEPINFER_AVX2_FN void prepare_k6(const uint8_t *b, K6Scales &st) {
 // ---- AVX2: one row ----
 
 // 32 int8 bytes, value j in byte j, as four vectors of eight 32-bit lanes: values 8i..8i+7 in
-// q[i]. For Q6_K, reducing a piece to its 32 value bytes first, 32 at
-// a time, and widening last is 1.25x faster at one row than doing its bit work in 32-bit
-// lanes, 8 values at a time (two loads and widenings per 8 values there). Q5_0 measured
-// 0.9-0.97x this way: its 16 nibble bytes widen with two loads for all 32 values.
+// q[i]. Q6_K does its bit work on a piece's 32 bytes at once and widens last: in 32-bit lanes
+// it took two loads and widenings for every 8 values. (Q5_0 gains nothing this way: its 16
+// nibble bytes already widen with two loads for all 32 values.)
 DEEPINFER_AVX2_FN void byte_values(__m256i bytes, __m256i q[4]) {
   const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
   const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
