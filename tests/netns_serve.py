@@ -225,7 +225,10 @@ def act_under_streams(cluster: NetnsCluster, url: str, prompts: list[str], max_t
     with ThreadPoolExecutor(1) as pool, health_readings(cluster, url) as readings:
         # The poller's first answer before the streams start: on a loaded machine its start
         # (a Python process importing httpx) took 15 s, longer than the streams lasted.
-        readings.get(timeout=120)
+        try:
+            readings.get(timeout=120)
+        except queue.Empty:
+            raise AssertionError(f"the /health poller gave no reading of {url} in 120 s") from None
         running = pool.submit(complete, cluster, url, prompts, max_tokens)
         seen = []  # (asked when, answered how many seconds later, each rank's in-flight, up, reason)
         while True:
@@ -266,12 +269,14 @@ def split_lost(streams: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def streams_seen(streams: list[dict], acted: float) -> list[dict]:
-    """What an assertion on `streams` should print: each one's status, finish, error, text
-    length, and when it opened, got its first token and ended, in seconds after `acted`."""
+    """What an assertion on `streams` should print: each one's status, finish, error, whether
+    [DONE] came, text length, and when it opened, got its first token and ended, in seconds
+    after `acted`."""
     def since(t: float | None) -> float | None:
         return None if t is None else round(t - acted, 2)
 
-    return [{"status": s["status"], "finish": s["finish"], "error": s["error"], "chars": len(s["text"]),
+    return [{"status": s["status"], "finish": s["finish"], "error": s["error"], "done": s["done"],
+             "chars": len(s["text"]),
              "opened": since(s["opened"]), "first": since(s["first"]), "ended": since(s["ended"])} for s in streams]
 
 
