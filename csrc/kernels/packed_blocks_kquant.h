@@ -72,48 +72,52 @@ DEEPINFER_AVX2_FN void prepare_k6(const uint8_t *b, K6Scales &st) {
 // ---- AVX2: one row ----
 
 // 32 int8 bytes, value j in byte j, as four vectors of eight 32-bit lanes: values 8i..8i+7 in
-// q[i]. Q6_K does its bit work on a piece's 32 bytes at once and widens last: in 32-bit lanes
-// it took two loads and widenings for every 8 values. (Q5_0 gains nothing this way: its 16
-// nibble bytes already widen with two loads for all 32 values.)
+// q[i]. Q6_K and Q5 do their bit work on a block's 32 value bytes at once and widen last (in
+// 32-bit lanes it took more instructions for every 8 values). The bytes go through a stack
+// copy: each group is then one sign-extending load, where taking it out of the register took
+// a shuffle more; the empty asm keeps the compiler from turning the copy back into shuffles.
 DEEPINFER_AVX2_FN void byte_values(__m256i bytes, __m256i q[4]) {
-  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
-  const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi8_epi32(parts[i]);
+  alignas(32) int8_t v[32];
+  _mm256_store_si256(reinterpret_cast<__m256i *>(v), bytes);
+  asm volatile("" : : "r"(v) : "memory");
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(v + 8 * i)));
 }
 
-// Bit 8i + j of qh (broadcast in every lane of qh8) as 16 in lane j: the fifth bit of Q5 values
-// 8i..8i+7. A mask and a compare per lane: a variable shift of qh broadcast anew for each 8
-// values took more instructions than the rest of the widening, which bounds Q5_0 at one row.
-DEEPINFER_AVX2_FN __m256i q5_high(__m256i qh8, int i) {
-  const __m256i bit = _mm256_sllv_epi32(_mm256_set1_epi32(1 << (8 * i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(qh8, bit), bit), _mm256_set1_epi32(16));
-}
-
-// A Q5 block's 32 values (0-31) from its 4 bytes of fifth bits and 16 bytes of nibbles.
-DEEPINFER_AVX2_FN void q5_values(const uint8_t *qh_bytes, const uint8_t *qs, __m256i q[4]) {
+// A Q5 block's 32 values as bytes, value j in byte j: nibble j % 16 of byte j of qs (low for
+// j < 16, high after) and bit j of qh, spread to bytes by a shuffle and a compare for all 32
+// values at once. Q5_0 (`centered`) gets q - 16 as int8 (the nibble with 0xf0 where the bit
+// is clear), Q5_1 q itself.
+DEEPINFER_AVX2_FN __m256i q5_bytes(const uint8_t *qh_bytes, const uint8_t *qs, bool centered) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0f));
   uint32_t qh;
   std::memcpy(&qh, qh_bytes, 4);
-  const __m256i qh8 = _mm256_set1_epi32(static_cast<int>(qh));
-  const __m256i mask = _mm256_set1_epi32(0x0f), a = bytes8(qs), b = bytes8(qs + 8);
-  q[0] = _mm256_and_si256(a, mask);
-  q[1] = _mm256_and_si256(b, mask);
-  q[2] = _mm256_srli_epi32(a, 4);
-  q[3] = _mm256_srli_epi32(b, 4);
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_or_si256(q[i], q5_high(qh8, i));
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                                              2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return centered ? _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))))
+                  : _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// A Q5 block's values as floats: q[i] = values 8i..8i+7.
+DEEPINFER_AVX2_FN void q5_values(__m256i bytes, __m256 q[4]) {
+  __m256i v[4];
+  byte_values(bytes, v);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi32_ps(v[i]);
 }
 
 DEEPINFER_AVX2_FN void widen_q5_0(const uint8_t *b, int, const NoState &, __m256 w[4]) {
   const __m256 d = scale_vec(b);
-  __m256i q[4];
-  q5_values(b + 2, b + 6, q);
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
+  q5_values(q5_bytes(b + 2, b + 6, true), w);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
 }
 
 DEEPINFER_AVX2_FN void widen_q5_1(const uint8_t *b, int, const NoState &, __m256 w[4]) {
   const __m256 d = scale_vec(b), m = scale_vec(b + 2);
-  __m256i q[4];
-  q5_values(b + 4, b + 8, q);
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
+  q5_values(q5_bytes(b + 4, b + 8, false), w);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);
 }
 
 // Piece s of a Q4_K super-block (d, dmin, 12 scale bytes, 128 quant bytes): the low nibbles
