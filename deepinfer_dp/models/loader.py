@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from deepinfer_dp.models.bf16_compute import to_bf16_compute
 from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf, default_model_path
 from deepinfer_dp.models.hub import cached_snapshot, is_repo_id, snapshot_model
+from deepinfer_dp.models.huge_pages import move_to_huge_pages
 from deepinfer_dp.models.packed_loader import build_packed_model, pack_bf16, read_packed_dir
 from deepinfer_dp.models.registry import attach_nextn_layer, check_supported, model_class
 from deepinfer_dp.models.weights import iterate_weights, safetensors_files
@@ -103,6 +104,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         del weights
         if dtype == torch.bfloat16:
             to_bf16_compute(net)
+        move_to_huge_pages(net)
         release_freed_memory()  # the parts of fused matrices, which glibc would keep resident
     else:
         net = build_model(config, dtype, device, expert_shard)

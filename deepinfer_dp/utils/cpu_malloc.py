@@ -6,16 +6,22 @@ op after op, so every op then page-faults fresh zeroed pages in: measured on a 6
 prefill of SmolLM2, elementwise ops ran 5-7x slower and the whole step 1.5x slower. The
 usual fix is LD_PRELOAD=tcmalloc; mallopt does the same for the sizes that matter without
 a preload, from inside the process.
+
+Memory read whole at every step (the packed weights) is better in 2 MB pages: `advised_arena`.
 """
 
 from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
+_MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE = 2 << 20
 
 
 def keep_freed_memory() -> bool:
@@ -39,3 +45,21 @@ def release_freed_memory() -> bool:
         return False
     trim.argtypes = [ctypes.c_size_t]
     return bool(trim(0))
+
+
+def advised_arena(nbytes: int) -> np.ndarray | None:
+    """uint8 [nbytes] starting on a 2 MB boundary and advised for transparent huge pages before
+    any page of it is touched (memory streamed at every step: one TLB entry a 2 MB page, not
+    a 4 KB one). None where libc has no madvise or the kernel refuses (no THP support)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    arena = raw[start:start + nbytes]
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    if madvise(arena.ctypes.data, min(length, raw.nbytes - start), _MADV_HUGEPAGE) != 0:
+        return None
+    return arena
