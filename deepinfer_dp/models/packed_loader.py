@@ -11,7 +11,8 @@ A fused projection (q/k/v, gate/up) whose parts share one format is one packed m
 whose parts differ keeps each part in its stored format as one PackedParts matrix (a Llama
 Q4_K_M file's Q4_K q/k next to a Q6_K v; Gemma 3 270M's Q5_0 q/k next to a Q8_0 v). In a model
 of plain Llama layers, parts that are all Q4_0/Q5_0/Q8_0 run as one Q8_0 matrix instead, which
-holds their values exactly: a single format keeps the layer on the one-call decode stack.
+holds their values exactly: a single format keeps the layer on the one-call decode stack. A
+fused projection of Q5_0 parts alone becomes Q8_0 there too (faster to widen).
 
 The embedding of a tied model is packed once and serves as the lm_head too, so the lm_head
 runs from the stored embedding (Q8_0 in the default model): it is a fifth of a decode step's
@@ -116,7 +117,8 @@ def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str
             lift_to_q8_0: bool = False) -> nn.Module:
     """`linear` as a packed module over the checkpoint matrices `names` (its fused parts), or
     `linear` itself when they cannot all stay packed. `lift_to_q8_0`: parts that are all
-    Q4_0/Q5_0/Q8_0 become one Q8_0 matrix rather than parts in their own formats."""
+    Q4_0/Q5_0/Q8_0 become one Q8_0 matrix rather than parts in their own formats (Q5_0 parts
+    even when they share that one format)."""
     parts = [weights.get(n) for n in names]
     if not all(isinstance(w, PackedWeight) for w in parts) or len({w.cols for w in parts}) != 1:
         if len(parts) > 1 and any(isinstance(w, PackedWeight) for w in parts):
@@ -124,9 +126,11 @@ def _packed(linear: nn.Module, weights: Weights, used: set[str], names: list[str
                            " + ".join(names))
         return linear  # widened at load, as an fp32 nn.Linear
     used.update(names)
-    if lift_to_q8_0 and len({w.format for w in parts}) > 1 and all(w.format in EXACT_IN_Q8_0 for w in parts):
+    formats = {w.format for w in parts}
+    if lift_to_q8_0 and (len(formats) > 1 or "q5_0" in formats) and formats <= EXACT_IN_Q8_0.keys():
         # Exact (Q4_0/Q5_0 values are Q8_0 values): more bytes than the parts as stored, but
-        # one kernel call a step.
+        # one kernel call a step; and Q5_0 alone too, whose fifth bits cost more to widen at
+        # one to eight rows than Q8_0's extra bytes cost to read.
         parts = [w.as_q8_0() for w in parts]
     # Adjacent parts of one format are one part (a Q4_K_M file's Q4_K q and k).
     runs = [_joined(list(run)) for _, run in groupby(parts, key=lambda w: w.format)]

@@ -32,10 +32,11 @@ PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
          "mlp.up_proj", "mlp.down_proj")
 FUSED = {
     # Q5_0 q/k with a Q8_0 v become one Q8_0 matrix (exact): Gemma 3 layers run on the one-call
-    # decode stack, where one format is one kernel call; the other mixes stay parts.
-    "model.layers.0.self_attn.qkv_proj": "q8_0", "model.layers.0.mlp.gate_up_proj": "q5_0",
+    # decode stack, where one format is one kernel call; the other mixes stay parts. Q5_0 parts
+    # alone become Q8_0 too (faster to widen).
+    "model.layers.0.self_attn.qkv_proj": "q8_0", "model.layers.0.mlp.gate_up_proj": "q8_0",
     "model.layers.1.self_attn.qkv_proj": "q4_k+q6_k", "model.layers.1.mlp.gate_up_proj": "q4_k+q6_k",
-    "model.layers.2.self_attn.qkv_proj": "q5_0", "model.layers.2.mlp.gate_up_proj": "q5_k",
+    "model.layers.2.self_attn.qkv_proj": "q8_0", "model.layers.2.mlp.gate_up_proj": "q5_k",
     "model.layers.3.self_attn.qkv_proj": "q8_0+q4_0+q5_1", "model.layers.3.mlp.gate_up_proj": "q8_0",
 }
 
