@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from deepinfer_dp.utils.cpu_malloc import advised_arena
+from deepinfer_dp.utils.cpu_malloc import advised_copy
 
 COLS = 640
 
@@ -74,11 +74,7 @@ def main() -> None:
     with safe_open(weights, framework="np") as f:
         w = f.get_tensor("model.embed_tokens.weight")
     if not args.small_pages:  # where the engine keeps it (models/huge_pages.py)
-        arena = advised_arena(w.nbytes)
-        if arena is not None:
-            arena = arena.reshape(w.shape)
-            arena[...] = w
-            w = arena
+        w = advised_copy(w)
     x = np.random.default_rng(0).standard_normal((4, COLS)).astype(np.float32)
     whole, _ = best_ms(ext, x[:1], w, args.repeats)
     cached, _ = best_ms(ext, x[:1], np.ascontiguousarray(w[:2048]), 25 * args.repeats)

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import safe_open
 
 from deepinfer_dp.layers.packed import PackedWeight
-from deepinfer_dp.utils.cpu_malloc import advised_arena
+from deepinfer_dp.utils.cpu_malloc import advised_copy
 
 LAYERS, COLS = 18, 640
 
@@ -37,10 +37,7 @@ def gate_up_matrices() -> dict[str, list[PackedWeight]]:
             names = [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")]
             w = PackedWeight.concat([PackedWeight(f.get_tensor(n), *_format(layout[n])) for n in names])
             for m in (w, w.as_q8_0()):
-                arena = advised_arena(m.nbytes)
-                data = m.data if arena is None else arena.reshape(m.data.shape)
-                data[...] = m.data
-                mats[m.format].append(PackedWeight(data, m.format, m.cols))
+                mats[m.format].append(PackedWeight(advised_copy(m.data), m.format, m.cols))
     return mats
 
 

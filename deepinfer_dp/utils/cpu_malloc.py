@@ -63,3 +63,13 @@ def advised_arena(nbytes: int) -> np.ndarray | None:
     if madvise(arena.ctypes.data, min(length, raw.nbytes - start), _MADV_HUGEPAGE) != 0:
         return None
     return arena
+
+
+def advised_copy(a: np.ndarray) -> np.ndarray:
+    """`a` copied into an arena of its own (advised_arena); `a` itself where there is none."""
+    arena = advised_arena(a.nbytes)
+    if arena is None:
+        return a
+    out = arena.view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out

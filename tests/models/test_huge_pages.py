@@ -12,7 +12,7 @@ from torch import nn
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 from deepinfer_dp.layers.packed_parts import PackedParts, PackedPartsLinear
 from deepinfer_dp.models.huge_pages import move_to_huge_pages
-from deepinfer_dp.utils.cpu_malloc import HUGE_PAGE, advised_arena
+from deepinfer_dp.utils.cpu_malloc import HUGE_PAGE, advised_arena, advised_copy
 
 K = 256
 
@@ -63,6 +63,12 @@ def test_the_arena_is_aligned_and_advised():
     arena = advised_arena(3 * HUGE_PAGE + 5)
     assert arena is not None and arena.nbytes == 3 * HUGE_PAGE + 5
     assert arena.ctypes.data % HUGE_PAGE == 0
+
+
+def test_an_advised_copy_holds_the_same_values():
+    a = np.random.default_rng(0).standard_normal((300, 7)).astype(np.float32)
+    b = advised_copy(a)
+    assert b is not a and b.ctypes.data % HUGE_PAGE == 0 and b.dtype == a.dtype and np.array_equal(b, a)
 
 
 def test_a_model_without_packed_matrices_is_left_alone():
