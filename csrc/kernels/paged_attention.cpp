@@ -19,9 +19,9 @@ namespace deepinfer {
 
 namespace {
 
-// With the pool's workers awake, splitting pays from a few hundred cached positions: at 8
-// sequences of ~150 positions (SmolLM2, 2 cores) two threads took 4 ms a step against 6.
-constexpr int64_t kMinPositionsPerThread = 128;
+// Inside a step the pool's workers spin between kernels, so a split pays once each thread
+// gets a few dozen cached positions per unit (one decode token of ~100 positions already).
+constexpr int64_t kMinPositionsPerThread = 32;
 // The kernel keeps one score per position on each thread; past this it would run out of
 // memory on a worker thread, where an exception cannot become a Python error.
 constexpr int32_t kMaxContext = 1 << 24;
@@ -128,8 +128,7 @@ struct QueryChunk {
 
 // Softmax of `n` scores in place.
 void softmax(float *sc, int n) {
-  float mx = *std::max_element(sc, sc + n);
-  float denom = 0.f;
+  float denom = 0.f, mx = *std::max_element(sc, sc + n);
   for (int t = 0; t < n; ++t) denom += (sc[t] = std::exp(sc[t] - mx));
   const float inv = 1.f / denom;
   for (int t = 0; t < n; ++t) sc[t] *= inv;
@@ -301,28 +300,29 @@ ChunkFn<T> pick_chunk_fn(int head_dim) {
   return nullptr;
 }
 
-// Units [begin, end): unit u = the KV heads [g, g + kv_per) of span u / per_span, where
-// kv_per = num_kv_heads / per_span and g = (u % per_span) * kv_per; each unit is computed by
-// one thread in a fixed order, whatever the split, and every query head's floats are the same
-// whichever unit holds it.
+// Units [begin, end): part u % per_span of span u / per_span, per_span being 1 (all its KV
+// heads), num_kv_heads (one each) or num_heads (one query head, reading its KV head's rows
+// itself). One thread computes a unit, in a fixed order: no query head's floats depend on it.
 template <class T>
 void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, int per_span, const float *q,
                   const T *k_cache, const T *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                   const int32_t *context_lens, float scale, float *out, int begin, int end) {
-  const int group = s.num_heads / s.num_kv_heads, kv_per = s.num_kv_heads / per_span;
+  const int group = s.num_heads / s.num_kv_heads, kv_units = std::min(per_span, s.num_kv_heads);
+  const int q_parts = per_span / kv_units, kv_per = s.num_kv_heads / kv_units, heads = kv_per * group / q_parts;
   const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D;
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
   const ChunkFn<T> fast = pick_chunk_fn<T>(s.head_dim);
   std::vector<float> scores;
   for (int u = begin; u < end; ++u) {
     const Span &sp = spans[u / per_span];
-    const int g = u % per_span * kv_per, i = sp.first;
+    const int r = u % per_span, g = r / q_parts * kv_per, i = sp.first;
     const int32_t *blocks = block_tables + static_cast<size_t>(query_rows ? query_rows[i] : i) * s.max_blocks;
     const int32_t *lens = context_lens + i;
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
     PagedRows<T> k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
-    const size_t first = i * stride + static_cast<size_t>(g) * group * D;
-    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, s.window, kv_per * group, group};
+    const size_t first = i * stride + (static_cast<size_t>(g) * group + r % q_parts * heads) * D;
+    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, s.window, heads,
+                           q_parts > 1 ? heads : group};
     scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * chunk.heads * sp.count);
     if (fast) {
       fast(chunk, k, v, scale, scores.data());
@@ -330,12 +330,10 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
     }
     for (int j = 0; j < sp.count; ++j)
       for (int h = 0; h < chunk.heads; ++h) {
-        PagedRows<T> kh = k, vh = v;
-        kh.cache += h / group * D;
-        vh.cache += h / group * D;
+        const size_t at = h / chunk.group * D;  // its KV head in the unit
+        const PagedRows<T> kh{k.cache + at, blocks, s.block_size, row}, vh{v.cache + at, blocks, s.block_size, row};
         attend_head_scalar(chunk.q + j * stride + h * D, kh, vh, window_start(lens[j], s.window), lens[j],
-                           s.head_dim, scale, scores.data(),
-                           chunk.out + j * stride + h * D);
+                           s.head_dim, scale, scores.data(), chunk.out + j * stride + h * D);
       }
   }
 }
@@ -384,8 +382,10 @@ void paged_attention_threaded(const PagedAttentionShape &s, const float *q, cons
                               const int32_t *context_lens, float scale, float *out, int threads) {
   const std::vector<Span> spans = query_spans(query_rows, s.num_queries, span_queries(s.num_queries, threads));
   // Enough spans to share among the threads: each takes all its KV heads in one pass, so its
-  // cache blocks are read front to back (one KV head's rows alone are a strided stream).
-  const int per_span = static_cast<int>(spans.size()) >= kMinSpansPerThread * threads ? 1 : s.num_kv_heads;
+  // cache blocks are read front to back (one KV head's rows alone are a strided stream). Fewer
+  // KV heads than two a thread (a lone decode token): one query head a unit.
+  int per_span = static_cast<int>(spans.size()) >= kMinSpansPerThread * threads ? 1 : s.num_kv_heads;
+  if (per_span == s.num_kv_heads && static_cast<int>(spans.size()) * per_span < 2 * threads) per_span = s.num_heads;
   const std::vector<int> cuts = split_by_length(spans, context_lens, per_span, threads);
   shared_pool(threads).run(static_cast<int>(cuts.size()) - 1, threads, [&](int c) {
     if (dtype == KvDtype::kBF16)

@@ -108,20 +108,37 @@ def test_short_prefill_chunks_match_the_sdpa_loop(query_lens, monkeypatch):
     torch.testing.assert_close(ours, expected, atol=2e-6, rtol=1e-5)
 
 
+def run_threads(q, k_cache, v_cache, md, threads: int, scale: float = 0.125) -> torch.Tensor:
+    out = torch.empty_like(q)
+    _C.paged_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
+                       md.seq_lens.numpy(), out.numpy(), scale, threads)
+    return out
+
+
 def test_threads_split_the_batch_without_changing_results():
     q, k_cache, v_cache, md = random_case(48, 9, 3, 64, 16, seed=5)  # ~2300 positions: worth 2 threads
     assert int(md.seq_lens.sum()) >= 2 * 768
-
-    def run(threads: int) -> torch.Tensor:
-        out = torch.empty_like(q)
-        _C.paged_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy(),
-                           md.seq_lens.numpy(), out.numpy(), 0.125, threads)
-        return out
-
-    one = run(1)
+    one = run_threads(q, k_cache, v_cache, md, 1)
     # up to 5 threads a unit is a whole sequence (all its KV heads); at 16, with fewer than 4
     # sequences a thread, one KV head of one: the floats are the same either way
-    assert torch.equal(run(2), one) and torch.equal(run(5), one) and torch.equal(run(16), one)
+    assert all(torch.equal(run_threads(q, k_cache, v_cache, md, t), one) for t in (2, 5, 16))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64),   # SmolLM2: three KV heads for two threads
+    (4, 1, 256),  # Gemma 3: one KV head
+    (4, 2, 40),   # the portable loop
+])
+def test_a_lone_token_splits_its_query_heads_without_changing_results(heads, kv_heads, head_dim):
+    """One decode token has too few KV heads to keep the threads busy, so each query head is a
+    unit of its own, reading its KV head's rows itself: the floats must not change."""
+    q, k_cache, v_cache, md = random_case(1, heads, kv_heads, head_dim, 64, seed=3)
+    assert int(md.seq_lens[0]) >= 64  # enough positions to split
+    scale = head_dim ** -0.5
+    one = run_threads(q, k_cache, v_cache, md, 1, scale)
+    assert all(torch.equal(run_threads(q, k_cache, v_cache, md, t, scale), one) for t in (2, 3, 4))
+    expected = A._gathered_decode_attention(q, k_cache, v_cache, md, scale)
+    torch.testing.assert_close(run_threads(q, k_cache, v_cache, md, 2, scale), expected, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 256, 40])  # the AVX2 chunk path and the portable loop
