@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from deepinfer_dp.layers.packed import PackedWeight
 from deepinfer_dp.utils.cpu_malloc import advised_copy
@@ -28,22 +27,16 @@ def gate_up_matrices() -> dict[str, list[PackedWeight]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
     from gemma3 import gemma3_gguf
 
-    from deepinfer_dp.models.default_model import PACKED_FILE, convert_gguf
+    from deepinfer_dp.models.default_model import convert_gguf
+    from deepinfer_dp.models.packed_loader import read_packed_dir
 
+    weights = read_packed_dir(convert_gguf(gemma3_gguf()), [])
     mats: dict[str, list[PackedWeight]] = {"q5_0": [], "q8_0": []}
-    with safe_open(convert_gguf(gemma3_gguf()) / PACKED_FILE, framework="np") as f:
-        layout = f.metadata()
-        for i in range(LAYERS):
-            names = [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")]
-            w = PackedWeight.concat([PackedWeight(f.get_tensor(n), *_format(layout[n])) for n in names])
-            for m in (w, w.as_q8_0()):
-                mats[m.format].append(PackedWeight(advised_copy(m.data), m.format, m.cols))
+    for i in range(LAYERS):
+        w = PackedWeight.concat([weights[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        for m in (w, w.as_q8_0()):
+            mats[m.format].append(PackedWeight(advised_copy(m.data), m.format, m.cols))
     return mats
-
-
-def _format(entry: str) -> tuple[str, int]:
-    fmt, cols = entry.split(":")
-    return fmt, int(cols)
 
 
 def step_ms(mats: list[PackedWeight], x: np.ndarray) -> tuple[float, np.ndarray]:
