@@ -156,6 +156,8 @@ void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T
 #define DEEPINFER_HAVE_AVX2 1
 #define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
 using attention_heads::hsum;
+using attention_heads::NextRows;
+using attention_heads::prefetch_share;
 using attention_heads::QueryHeads;
 
 // e^x for x <= 0 on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial;
@@ -210,14 +212,21 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
   for (t = 0; t < n; ++t) sc[t] *= inv;
 }
 
-// Asks for n cached positions from p on (`row` elements apart, the first `width` of each)
-// ahead of use: a unit's next block sits anywhere in the cache, where the hardware
-// prefetcher does not look, and one block's loads alone keep too few misses in flight.
+// A unit's next block sits anywhere in the cache, where the hardware prefetcher does not
+// look, and one block's loads alone keep too few misses in flight: its rows are asked for
+// while this block is computed: all at once, or in `shares` shares
+// (attention_heads::prefetch_share).
+inline void prefetch_all(const NextRows &nx) {
+  const char *p = nx.at;
+  for (int i = 0; i < nx.rows; ++i, p += nx.stride)
+    for (int l = 0; l < nx.lines; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+}
+
 template <class T>
-AVX2_INLINE void prefetch_rows(const T *p, size_t row, int width, int n) {
-  const int bytes = width * static_cast<int>(sizeof(T));
-  for (int i = 0; i < n; ++i, p += row)
-    for (int b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char *>(p) + b, _MM_HINT_T0);
+NextRows next_rows(const PagedRows<T> &r, int t, int n, int width, int shares) {
+  const int lines = (width * static_cast<int>(sizeof(T)) + 63) / 64;
+  const int per = (n * lines + shares - 1) / shares;
+  return NextRows{reinterpret_cast<const char *>(r.at(t)), r.row * sizeof(T), n, lines, per, 0};
 }
 
 // AVX2 path for head sizes 64, 128 and 256: the `group` query heads that share one KV head, of
@@ -235,7 +244,7 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
   const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * c.heads + h) * longest; };
   const auto heads_of = [&](int j, int t0) {
     return QueryHeads{c.q + j * c.q_stride, scores_of(j, 0) + t0, c.out + j * c.q_stride, static_cast<size_t>(longest),
-                      c.heads, c.group};
+                      c.heads, c.group, nullptr};
   };
   const auto first_of = [&](int j) { return window_start(c.lens[j], c.window); };
   int lowest = first_of(0);
@@ -247,15 +256,29 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     lo = std::max(t0, first_of(j));
     return std::min(t0 + k.block_size, static_cast<int>(c.lens[j])) - lo;
   };
+  // The next block's rows: a lone query (a decode token) whose Heads ask for them a share
+  // before each head's pass hands them over; otherwise (a span's later queries reuse the block
+  // from L1, so there is time) they are asked for at once.
+  const bool shared = Heads::kPrefetchesNext && c.count == 1;
+  const auto ask = [&](NextRows next) {
+    if (shared) return next;
+    if (next.at) prefetch_all(next);
+    return NextRows{};
+  };
+  const auto with_next = [&](QueryHeads h, NextRows &next) {
+    h.next = next.at ? &next : nullptr;
+    return h;
+  };
   for (int t0 = begin; t0 < longest; t0 += k.block_size) {
     const T *kt = k.at(t0);
     const int ahead = t0 + k.block_size;
-    if (ahead < longest) prefetch_rows(k.at(ahead), k.row, width, std::min(k.block_size, longest - ahead));
-    else prefetch_rows(v.at(begin), v.row, width, std::min(v.block_size, longest - begin));
+    NextRows next = ask(ahead < longest ? next_rows(k, ahead, std::min(k.block_size, longest - ahead), width, c.heads)
+                                        : next_rows(v, begin, std::min(v.block_size, longest - begin), width, c.heads));
     for (int j = 0; j < c.count; ++j) {
       int lo;
       const int n = share(j, t0, lo);
-      if (n > 0) Heads::template block_scores<D, T>(heads_of(j, lo), kt + (lo - t0) * k.row, k.row, n, scale);
+      if (n > 0)
+        Heads::template block_scores<D, T>(with_next(heads_of(j, lo), next), kt + (lo - t0) * k.row, k.row, n, scale);
     }
   }
   for (int j = 0; j < c.count; ++j) {
@@ -265,11 +288,12 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
   for (int t0 = begin; t0 < longest; t0 += v.block_size) {
     const T *vt = v.at(t0);
     const int ahead = t0 + v.block_size;
-    if (ahead < longest) prefetch_rows(v.at(ahead), v.row, width, std::min(v.block_size, longest - ahead));
+    NextRows next = ask(ahead < longest ? next_rows(v, ahead, std::min(v.block_size, longest - ahead), width, c.heads)
+                                        : NextRows{});
     for (int j = 0; j < c.count; ++j) {
       int lo;
       const int n = share(j, t0, lo);
-      if (n > 0) Heads::template block_values<D, T>(heads_of(j, lo), vt + (lo - t0) * v.row, v.row, n);
+      if (n > 0) Heads::template block_values<D, T>(with_next(heads_of(j, lo), next), vt + (lo - t0) * v.row, v.row, n);
     }
   }
 }

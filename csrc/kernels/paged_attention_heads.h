@@ -116,20 +116,44 @@ DEEPINFER_ATTN_AVX512 void values(const float *const *ph, const T *vt, size_t ro
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[q] + 16 * r, acc[q][r]);
 }
 
+// The next block's cached rows, asked for ahead of use a share at a time: `rows` positions
+// `stride` bytes apart from `at` on, `lines` cache lines of each; `per` lines a share.
+struct NextRows {
+  const char *at = nullptr;  // the next line's row; nullptr: nothing (left) to ask for
+  size_t stride = 0;
+  int rows = 0, lines = 0, per = 0, line = 0;
+};
+
+// Asks for the next share of nx's lines, into L1. A block's lines asked for all at once (192
+// for SmolLM2's K) overlapped nothing with the arithmetic of a decode token at long contexts
+// (a layer took longer than reading plus computing one after the other); a share before each
+// query head's pass keeps the reading going while the heads compute
+// (benchmarks/decode_attention.py).
+inline void prefetch_share(NextRows *nx) {  // (SSE: any x86-64)
+  if (nx == nullptr) return;
+  for (int l = 0; l < nx->per && nx->rows > 0; ++l) {
+    _mm_prefetch(nx->at + 64 * nx->line, _MM_HINT_T0);
+    if (++nx->line == nx->lines) nx->line = 0, nx->at += nx->stride, --nx->rows;
+  }
+}
+
 // One query's `heads` query heads (head h reads KV head h / group), their q at q + h * D,
-// score rows at sc + h * stride, outputs at out + h * D.
+// score rows at sc + h * stride, outputs at out + h * D; `next`: what to prefetch meanwhile.
 struct QueryHeads {
   const float *q;
   float *sc, *out;
   size_t stride;
   int heads, group;
+  NextRows *next;  // nullptr: no prefetching here
 };
 
 struct HeadsAvx2 {
+  static constexpr bool kPrefetchesNext = true;  // a share before each head's pass (QueryHeads::next)
   template <int D, class T>
   __attribute__((target("avx2,fma"))) static void block_scores(const QueryHeads &h, const T *kt, size_t row, int n,
                                                                float scale) {
     for (int i = 0; i < h.heads; ++i) {
+      prefetch_share(h.next);
       const float *qh = h.q + i * D;
       float *sh = h.sc + i * h.stride;
       scores<D, T, 1>(&qh, kt + i / h.group * D, row, n, scale, &sh);
@@ -137,11 +161,15 @@ struct HeadsAvx2 {
   }
   template <int D, class T>
   __attribute__((target("avx2,fma"))) static void block_values(const QueryHeads &h, const T *vt, size_t row, int n) {
-    for (int i = 0; i < h.heads; ++i) values1<D, T>(h.sc + i * h.stride, vt + i / h.group * D, row, n, h.out + i * D);
+    for (int i = 0; i < h.heads; ++i) {
+      prefetch_share(h.next);
+      values1<D, T>(h.sc + i * h.stride, vt + i / h.group * D, row, n, h.out + i * D);
+    }
   }
 };
 
 struct HeadsAvx512 {
+  static constexpr bool kPrefetchesNext = false;  // the caller asks for the next block at once
   // Query heads [first, first + Q) of one KV head.
   template <int D, class T, int Q>
   DEEPINFER_ATTN_AVX512 static void tile_scores(const QueryHeads &h, int first, const T *kt, size_t row, int n,
