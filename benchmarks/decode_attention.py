@@ -3,7 +3,7 @@ of 16 sequences over 2,100 cached positions (SmolLM2's heads: 9 query heads on 3
 64; one layer of the long16 workload's decode, 52 MB of fp32 K/V, far beyond the caches)
 through `_C.paged_attention`, on 1 and 2 threads, against
 
-- the read rate of the same threads (torch's sum over 512 MB), and
+- the read rate of the same threads (the peers runner's read ceiling: torch's sum over 512 MB), and
 - the same call with every sequence's block table pointing at one sequence's blocks (3.2 MB,
   held in L2/L3): the kernel's own work with the memory stream taken away.
 
@@ -16,25 +16,18 @@ If the kernel overlapped its arithmetic with reading, a layer would take about t
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import torch
 
-from deepinfer_dp import _C
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from ceilings import read_gbs  # noqa: E402  (the peers runner's read ceiling, per thread count)
+
+from deepinfer_dp import _C  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
-
-
-def read_gbs(threads: int, rounds: int) -> float:
-    torch.set_num_threads(threads)
-    big = torch.ones(128 << 20)
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t)
-    return big.numel() * 4 / best / 1e9
 
 
 def layer_ms(args: tuple, threads: int, calls: int) -> float:

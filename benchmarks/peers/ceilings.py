@@ -12,7 +12,8 @@ from pathlib import Path
 def machine_ceilings(reps: int = 5) -> dict:
     import torch
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     best = float("inf")
     for _ in range(reps):
@@ -21,14 +22,22 @@ def machine_ceilings(reps: int = 5) -> dict:
             torch.mm(a, b)
         best = min(best, (time.perf_counter() - t) / 4)
     gflops = 2 * 2048**3 / best / 1e9
-    big = torch.ones(128 << 20)  # 512 MB: far beyond the caches
+    return {"matmul_gflops": gflops, "read_gbs": read_gbs(threads, reps), "threads": torch.get_num_threads()}
+
+
+def read_gbs(threads: int, reps: int = 5) -> float:
+    """GB/s that `threads` torch threads read: the best sum over 512 MB, far beyond the caches."""
+    import torch
+
+    torch.set_num_threads(threads)
+    big = torch.ones(128 << 20)
     big.sum()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         big.sum()
         best = min(best, time.perf_counter() - t)
-    return {"matmul_gflops": gflops, "read_gbs": big.numel() * 4 / best / 1e9, "threads": torch.get_num_threads()}
+    return big.numel() * 4 / best / 1e9
 
 
 def model_costs(hf_dir: str) -> dict:
