@@ -256,10 +256,10 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, 
     lo = std::max(t0, first_of(j));
     return std::min(t0 + k.block_size, static_cast<int>(c.lens[j])) - lo;
   };
-  // The next block's rows: a lone query (a decode token) whose Heads ask for them a share
-  // before each head's pass hands them over; otherwise (a span's later queries reuse the block
-  // from L1, so there is time) they are asked for at once.
-  const bool shared = Heads::kPrefetchesNext && c.count == 1;
+  // The next block's rows: a lone query (a decode token) hands them to Heads, which ask for
+  // them a share before each query head's pass; a span's (its later queries reuse the block
+  // from L1, so there is time) are asked for at once.
+  const bool shared = c.count == 1;
   const auto ask = [&](NextRows next) {
     if (shared) return next;
     if (next.at) prefetch_all(next);

@@ -148,7 +148,6 @@ struct QueryHeads {
 };
 
 struct HeadsAvx2 {
-  static constexpr bool kPrefetchesNext = true;  // a share before each head's pass (QueryHeads::next)
   template <int D, class T>
   __attribute__((target("avx2,fma"))) static void block_scores(const QueryHeads &h, const T *kt, size_t row, int n,
                                                                float scale) {
@@ -169,7 +168,6 @@ struct HeadsAvx2 {
 };
 
 struct HeadsAvx512 {
-  static constexpr bool kPrefetchesNext = false;  // the caller asks for the next block at once
   // Query heads [first, first + Q) of one KV head.
   template <int D, class T, int Q>
   DEEPINFER_ATTN_AVX512 static void tile_scores(const QueryHeads &h, int first, const T *kt, size_t row, int n,
@@ -186,6 +184,10 @@ struct HeadsAvx512 {
     for (int q = 0; q < Q; ++q) ph[q] = h.sc + (first + q) * h.stride, out[q] = h.out + (first + q) * D;
     values<D, T, Q>(ph, vt + first / h.group * D, row, n, out);
   }
+  // A share of the next block for each of a tile's `heads` query heads (one a head, as above).
+  static void shares(const QueryHeads &h, int heads) {
+    for (int i = 0; i < heads; ++i) prefetch_share(h.next);
+  }
   // Each KV head's query heads in tiles of 3 (2 at head size 128: the accumulators and the V
   // row within the 32 registers), the rest one or two at a time.
   template <int D, class T>
@@ -193,8 +195,8 @@ struct HeadsAvx512 {
       const QueryHeads &h, const T *kt, size_t row, int n, float scale) {
     for (int g = 0; g < h.heads; g += h.group) {
       int i = g;
-      for (; i + 3 <= g + h.group; i += 3) tile_scores<D, T, 3>(h, i, kt, row, n, scale);
-      for (; i < g + h.group; ++i) tile_scores<D, T, 1>(h, i, kt, row, n, scale);
+      for (; i + 3 <= g + h.group; i += 3) shares(h, 3), tile_scores<D, T, 3>(h, i, kt, row, n, scale);
+      for (; i < g + h.group; ++i) shares(h, 1), tile_scores<D, T, 1>(h, i, kt, row, n, scale);
     }
   }
   template <int D, class T>
@@ -203,8 +205,8 @@ struct HeadsAvx512 {
     constexpr int kTile = D <= 64 ? 3 : 2;
     for (int g = 0; g < h.heads; g += h.group) {
       int i = g;
-      for (; i + kTile <= g + h.group; i += kTile) tile_values<D, T, kTile>(h, i, vt, row, n);
-      for (; i < g + h.group; ++i) tile_values<D, T, 1>(h, i, vt, row, n);
+      for (; i + kTile <= g + h.group; i += kTile) shares(h, kTile), tile_values<D, T, kTile>(h, i, vt, row, n);
+      for (; i < g + h.group; ++i) shares(h, 1), tile_values<D, T, 1>(h, i, vt, row, n);
     }
   }
 };
