@@ -9,8 +9,11 @@ through `_C.paged_attention`, on 1 and 2 threads, against
 
 If the kernel overlapped its arithmetic with reading, a layer would take about the longer of
 "read" and "cached"; if not at all, their sum. Prints both next to the measured time.
+`--layout sequential` puts each sequence's blocks one after another, as a fresh engine
+allocates them (default: scattered, as in a server that has run a while).
 
     python benchmarks/decode_attention.py [--sequences 16] [--positions 2100] [--rounds 5]
+        [--layout scattered|sequential]
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--positions", type=int, default=2100)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layout", choices=["scattered", "sequential"], default="scattered",
+                    help="each sequence's blocks anywhere in the cache (a long-running server's) or "
+                         "one after another (a fresh engine's)")
     args = ap.parse_args()
     s, n = args.sequences, args.positions
     blocks = -(-n // BLOCK)
     rng = np.random.default_rng(0)
     k = rng.standard_normal((s * blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
     v = rng.standard_normal((s * blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
-    tables = rng.permutation(s * blocks).astype(np.int32).reshape(s, blocks)  # blocks anywhere
+    order = rng.permutation(s * blocks) if args.layout == "scattered" else np.arange(s * blocks)
+    tables = order.astype(np.int32).reshape(s, blocks)
     cached = np.ascontiguousarray(np.broadcast_to(tables[:1], tables.shape))
     lens = np.full(s, n, np.int32)
     q = rng.standard_normal((s, HEADS, DIM), dtype=np.float32)
