@@ -212,9 +212,10 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
   for (t = 0; t < n; ++t) sc[t] *= inv;
 }
 
-// A unit's next block sits anywhere in the cache, where the hardware prefetcher does not
-// look, and one block's loads alone keep too few misses in flight: its rows are asked for
-// while this block is computed: all at once, or in `shares` shares
+// A unit's next block may sit anywhere in the cache, where the hardware prefetcher does not
+// look, and one block's loads alone keep too few misses in flight (blocks laid out in order
+// gained as much from asking ahead: benchmarks/decode_attention.py --layout): its rows are
+// asked for while this block is computed: all at once, or in `shares` shares
 // (attention_heads::prefetch_share).
 inline void prefetch_all(const NextRows &nx) {
   const char *p = nx.at;
