@@ -124,14 +124,14 @@ struct NextRows {
   int rows = 0, lines = 0, per = 0, line = 0;
 };
 
-// Asks for the next share of nx's lines, into L1. A block's lines asked for all at once (192
+// Asks for the next `shares` shares of nx's lines (one a query head), into L1. A block's lines asked for all at once (192
 // for SmolLM2's K) overlapped nothing with the arithmetic of a decode token at long contexts
 // (a layer took longer than reading plus computing one after the other); a share before each
 // query head's pass keeps the reading going while the heads compute
 // (benchmarks/decode_attention.py).
-inline void prefetch_share(NextRows *nx) {  // (SSE: any x86-64)
+inline void prefetch_share(NextRows *nx, int shares = 1) {  // (SSE: any x86-64)
   if (nx == nullptr) return;
-  for (int l = 0; l < nx->per && nx->rows > 0; ++l) {
+  for (int l = 0; l < nx->per * shares && nx->rows > 0; ++l) {
     _mm_prefetch(nx->at + 64 * nx->line, _MM_HINT_T0);
     if (++nx->line == nx->lines) nx->line = 0, nx->at += nx->stride, --nx->rows;
   }
@@ -184,10 +184,6 @@ struct HeadsAvx512 {
     for (int q = 0; q < Q; ++q) ph[q] = h.sc + (first + q) * h.stride, out[q] = h.out + (first + q) * D;
     values<D, T, Q>(ph, vt + first / h.group * D, row, n, out);
   }
-  // A share of the next block for each of a tile's `heads` query heads (one a head, as above).
-  static void shares(const QueryHeads &h, int heads) {
-    for (int i = 0; i < heads; ++i) prefetch_share(h.next);
-  }
   // Each KV head's query heads in tiles of 3 (2 at head size 128: the accumulators and the V
   // row within the 32 registers), the rest one or two at a time.
   template <int D, class T>
@@ -195,8 +191,8 @@ struct HeadsAvx512 {
       const QueryHeads &h, const T *kt, size_t row, int n, float scale) {
     for (int g = 0; g < h.heads; g += h.group) {
       int i = g;
-      for (; i + 3 <= g + h.group; i += 3) shares(h, 3), tile_scores<D, T, 3>(h, i, kt, row, n, scale);
-      for (; i < g + h.group; ++i) shares(h, 1), tile_scores<D, T, 1>(h, i, kt, row, n, scale);
+      for (; i + 3 <= g + h.group; i += 3) prefetch_share(h.next, 3), tile_scores<D, T, 3>(h, i, kt, row, n, scale);
+      for (; i < g + h.group; ++i) prefetch_share(h.next), tile_scores<D, T, 1>(h, i, kt, row, n, scale);
     }
   }
   template <int D, class T>
@@ -205,8 +201,9 @@ struct HeadsAvx512 {
     constexpr int kTile = D <= 64 ? 3 : 2;
     for (int g = 0; g < h.heads; g += h.group) {
       int i = g;
-      for (; i + kTile <= g + h.group; i += kTile) shares(h, kTile), tile_values<D, T, kTile>(h, i, vt, row, n);
-      for (; i < g + h.group; ++i) shares(h, 1), tile_values<D, T, 1>(h, i, vt, row, n);
+      for (; i + kTile <= g + h.group; i += kTile)
+        prefetch_share(h.next, kTile), tile_values<D, T, kTile>(h, i, vt, row, n);
+      for (; i < g + h.group; ++i) prefetch_share(h.next), tile_values<D, T, 1>(h, i, vt, row, n);
     }
   }
 };
