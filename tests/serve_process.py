@@ -70,6 +70,17 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def live_descendants(pid: int, marker: str) -> list[psutil.Process]:
+    """The processes below `pid` whose command line holds `marker` and that still run: one
+    killed but not yet reaped by its parent is a zombie, which has no command line to read."""
+    found = []
+    for p in descendants(pid):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
 def still_running(procs: list[psutil.Process]) -> list[str]:
     left = []
     for p in procs:

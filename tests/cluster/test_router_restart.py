@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
-from serve_process import Stream, descendants, serve_process, still_running, stream_completion  # noqa: E402
+from serve_process import Stream, descendants, live_descendants, serve_process, still_running, stream_completion  # noqa: E402
 from server_utils import ENGINE_OPTIONS  # noqa: E402
 
 from deepinfer_dp.entrypoints.llm import LLM  # noqa: E402
@@ -92,12 +92,7 @@ def test_router_sigkill_while_a_rank_restarts_leaves_no_half_started_rank(tiny_m
 
 def _ranks(pid: int) -> list:
     """The rank processes, the ones still starting included."""
-    found = []
-    for p in descendants(pid):
-        with contextlib.suppress(psutil.Error):
-            if "RankActor" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-    return found
+    return live_descendants(pid, "RankActor")
 
 
 def _all_up(url: str) -> bool:
@@ -117,7 +112,7 @@ def _wait_for(check, what: str, timeout_s: float = 240.0):
 
 def _routers(pid: int) -> list:
     """The router processes: the one serving and its standby."""
-    return [p for p in descendants(pid) if "RouterActor" in " ".join(p.cmdline())]
+    return live_descendants(pid, "RouterActor")
 
 
 def _first_success(url: str, since: float) -> float:
