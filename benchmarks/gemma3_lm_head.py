@@ -1,9 +1,10 @@
 """What bounds Gemma 3 270M's lm_head (its Q8_0 embedding, 262,144 x 640) at a few rows: one
 thread's CPU time per weight row over the whole matrix against a 2,048-row slice that stays in
-L2, and the whole product at 1, 2 and 4 input rows (best of `--repeats`), the matrix in memory
-advised for 2 MB pages as the engine keeps it (`--small-pages`: as safetensors reads it).
+L2, and the whole product at each of `--rows` input rows (default 1, 2 and 4; 64 is a full
+decode batch; best of `--repeats`), the matrix in memory advised for 2 MB pages as the engine
+keeps it (`--small-pages`: as safetensors reads it).
 
-    .venv/bin/python benchmarks/gemma3_lm_head.py [--repeats 8]
+    .venv/bin/python benchmarks/gemma3_lm_head.py [--repeats 8] [--rows 1 2 4 64]
     .venv/bin/python benchmarks/gemma3_lm_head.py --so PATH --weights PACKED [--repeats 8]
 
 `--so`: time the `_C` extension at PATH instead of the installed one (a kernel variant built
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--so", default=None)
     ap.add_argument("--weights", default=None)
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="input rows of each timed product")
     ap.add_argument("--small-pages", action="store_true", help="the matrix as safetensors reads it (4 KB pages)")
     args = ap.parse_args()
     if args.so and not args.weights:
@@ -75,12 +77,12 @@ def main() -> None:
         w = f.get_tensor("model.embed_tokens.weight")
     if not args.small_pages:  # where the engine keeps it (models/huge_pages.py)
         w = advised_copy(w)
-    x = np.random.default_rng(0).standard_normal((4, COLS)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((max(args.rows), COLS)).astype(np.float32)
     whole, _ = best_ms(ext, x[:1], w, args.repeats)
     cached, _ = best_ms(ext, x[:1], np.ascontiguousarray(w[:2048]), 25 * args.repeats)
     result = {"weights": str(weights), "whole_ns_per_row": round(whole / w.shape[0] * 1e6, 1),
               "l2_slice_ns_per_row": round(cached / 2048 * 1e6, 1)}
-    for m in (1, 2, 4):
+    for m in args.rows:
         ms, total = best_ms(ext, x[:m], w, args.repeats)
         result[f"ms_at_{m}_rows"], result[f"sum_at_{m}_rows"] = round(ms, 2), total
     print("RESULT " + json.dumps(result), flush=True)

@@ -26,7 +26,8 @@ using namespace packed_detail;
 
 #define AVX512_KERNEL __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")))
 
-constexpr int kAheadRows = 4;  // how far ahead in rows the fused kernel prefetches
+constexpr int kAheadRows = 16;  // how far ahead in rows the fused kernel prefetches (into L2)
+constexpr int kTwoPairsInputs = 4;  // up to this many input rows, the fused kernel takes two pairs a pass
 constexpr int kTilePairs = 3;  // the buffered path's tiles: 3 pairs (6 weight rows) x 4 input rows
 constexpr int kTileInputs = 8;
 constexpr int kGroupPairs = 6;  // pairs widened into the buffer at a time (as the AVX2 path's 12 rows)
@@ -78,45 +79,63 @@ AVX512_KERNEL inline void store_tile(const __m512 *acc, const int (*rows)[2], co
   }
 }
 
-// The fused path: rows a and b widened in registers against MB input rows broadcast to both
-// halves. One pair a pass: 512-bit work issues on two ports only, and two to four pairs a
-// pass measured 1.0-1.4x slower at 1-6 input rows (one pair's widening already fills the
-// gaps in its chains).
-template <class F, int MB>
-AVX512_KERNEL void pair_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y, int a, int b) {
+// The fused path: NP pairs of rows (a and b of each widened in registers, one per half)
+// against MB input rows broadcast to both halves. A pair's four multiply-adds a block wait on
+// each other, so up to four input rows two pairs a pass keep twice the chains in flight; past
+// that the widening and the multiply-adds fill the 512-bit ports with one pair.
+template <class F, int NP, int MB>
+AVX512_KERNEL void pairs_inputs(const float *x, const PackedMatrix &w, const float *bias, float *y,
+                                const int (*rows)[2]) {
   const int K = w.cols;
-  const uint8_t *pa = w.data + static_cast<size_t>(a) * w.row_bytes, *pb = w.data + static_cast<size_t>(b) * w.row_bytes;
-  __m512 acc[MB], wv[4], xv[4];
-  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
-  typename F::State sa, sb;
-  for (int kb = 0; kb < K; kb += F::kValues, pa += F::kBytes, pb += F::kBytes) {
-    F::prepare(pa, sa);
-    F::prepare(pb, sb);
+  const uint8_t *p[NP][2];
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < 2; ++r) p[q][r] = w.data + static_cast<size_t>(rows[q][r]) * w.row_bytes;
+  __m512 acc[NP * MB], wv[4], xv[4];
+  for (int j = 0; j < NP * MB; ++j) acc[j] = _mm512_setzero_ps();
+  typename F::State st[NP][2];
+  for (int kb = 0; kb < K; kb += F::kValues) {
+    for (int q = 0; q < NP; ++q) F::prepare(p[q][0], st[q][0]), F::prepare(p[q][1], st[q][1]);
     for (int s = 0; s < F::kSubs; ++s) {  // 32 values at a time (a K-quant block holds 8 x 32)
       const int k = kb + 32 * s;
       if (MB == 1)
         for (int i = 0; i < 4; ++i) xv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + k + 8 * i));
-      const size_t ahead = kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs;  // two pairs on
-      _mm_prefetch(reinterpret_cast<const char *>(pa + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char *>(pb + ahead), _MM_HINT_T0);
-      F::widen_pair(pa, pb, s, sa, sb, wv);
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < MB; ++j)
-          acc[j] = _mm512_fmadd_ps(
-              wv[i],
-              MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
-              acc[j]);
+      // Into L2 only: asked into L1 (T0), one row over the whole matrix took 1.4x its time in
+      // L2 on Zen 4; asked into L2 it takes the same.
+      const size_t ahead = kAheadRows * w.row_bytes + s * F::kBytes / F::kSubs;
+      for (int q = 0; q < NP; ++q) {
+        _mm_prefetch(reinterpret_cast<const char *>(p[q][0] + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char *>(p[q][1] + ahead), _MM_HINT_T1);
+        F::widen_pair(p[q][0], p[q][1], s, st[q][0], st[q][1], wv);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < MB; ++j)
+            acc[q * MB + j] = _mm512_fmadd_ps(
+                wv[i],
+                MB == 1 ? xv[i] : _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<size_t>(j) * K + k + 8 * i)),
+                acc[q * MB + j]);
+      }
     }
+    for (int q = 0; q < NP; ++q) p[q][0] += F::kBytes, p[q][1] += F::kBytes;
   }
   // From 4 accumulators on, one padded sum8_x16 beats MB store_pairs (measured 2-7% at 4-8 rows).
-  const int pair[1][2] = {{a, b}};
-  if (MB >= 4) return store_tile<1, MB>(acc, pair, bias, y, w.rows);
-  for (int j = 0; j < MB; ++j) store_pair(acc[j], bias, y + static_cast<size_t>(j) * w.rows, a, b);
+  if (NP * MB >= 4) return store_tile<NP, MB>(acc, rows, bias, y, w.rows);
+  for (int q = 0; q < NP; ++q)
+    for (int j = 0; j < MB; ++j)
+      store_pair(acc[q * MB + j], bias, y + static_cast<size_t>(j) * w.rows, rows[q][0], rows[q][1]);
 }
 
 template <class F, int MB>
 AVX512_KERNEL void pair_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int n0, int n1) {
-  for (int n = n0; n < n1; n += 2) pair_inputs<F, MB>(x, w, bias, y, n, std::min(n + 1, n1 - 1));
+  constexpr int kPairs = MB <= kTwoPairsInputs ? 2 : 1;
+  int n = n0;
+  for (; n + 2 * kPairs <= n1; n += 2 * kPairs) {
+    int rows[kPairs][2];
+    for (int q = 0; q < kPairs; ++q) rows[q][0] = n + 2 * q, rows[q][1] = n + 2 * q + 1;
+    pairs_inputs<F, kPairs, MB>(x, w, bias, y, rows);
+  }
+  for (; n < n1; n += 2) {  // the last rows, and a lone last row paired with itself
+    const int rows[1][2] = {{n, std::min(n + 1, n1 - 1)}};
+    pairs_inputs<F, 1, MB>(x, w, bias, y, rows);
+  }
 }
 
 template <class F>
