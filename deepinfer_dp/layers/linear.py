@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from deepinfer_dp import _C
-from deepinfer_dp.layers import cpu_threads
+from deepinfer_dp.layers import cpu_threads, large_outputs
 
 # Rows up to which the kernel is used (it ties with MKL near 64 rows on 2 threads and loses
 # from 128 on).
@@ -46,7 +46,7 @@ class CpuLinear(nn.Module):
             with cpu_threads.wide():
                 return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features).contiguous()
-        out = torch.empty(rows, self.out_features)
+        out = large_outputs.empty(rows, self.out_features)
         _C.linear(x2.numpy(), self._weight_np, self._bias_np, out.numpy(),
                   cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)

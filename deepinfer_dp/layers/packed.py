@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_dp import _C
-from deepinfer_dp.layers import cpu_threads
+from deepinfer_dp.layers import cpu_threads, large_outputs
 
 # format -> (values per block, bytes per block), as ggml lays them out. "bf16_pairs" is bf16
 # computed in bf16 (`_C.bf16_linear`'s layout: rows interleaved by 16, columns by pairs).
@@ -177,7 +177,7 @@ class PackedLinear(nn.Module):
         if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant() and self.weight_packed.format != "bf16_pairs":
             out = self._widened_gemm(x2)
         else:
-            out = torch.empty(rows, self.out_features)
+            out = large_outputs.empty(rows, self.out_features)
             bias = None if self.bias is None else self.bias.detach().numpy()
             self.weight_packed.linear(x2.numpy(), bias, out.numpy(), cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)

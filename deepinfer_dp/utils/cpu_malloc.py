@@ -19,7 +19,7 @@ import numpy as np
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
 _MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGE = 2 << 20
 
@@ -32,7 +32,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
                 and mallopt(_M_TOP_PAD, 64 << 20))
 
 
