@@ -124,11 +124,11 @@ struct NextRows {
   int rows = 0, lines = 0, per = 0, line = 0;
 };
 
-// Asks for the next `shares` shares of nx's lines (one a query head), into L1. A block's lines asked for all at once (192
-// for SmolLM2's K) overlapped nothing with the arithmetic of a decode token at long contexts
-// (a layer took longer than reading plus computing one after the other); a share before each
-// query head's pass keeps the reading going while the heads compute
-// (benchmarks/decode_attention.py).
+// Asks for the next `shares` shares of nx's lines (one a query head), into L1. A block's
+// lines asked for all at once (192 for SmolLM2's K) overlapped nothing with the arithmetic
+// of a decode token at long contexts (a layer took longer than reading plus computing one
+// after the other); a share before each query head's pass keeps the reading going while the
+// heads compute (benchmarks/decode_attention.py).
 inline void prefetch_share(NextRows *nx, int shares = 1) {  // (SSE: any x86-64)
   if (nx == nullptr) return;
   for (int l = 0; l < nx->per * shares && nx->rows > 0; ++l) {

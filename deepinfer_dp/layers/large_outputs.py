@@ -30,8 +30,7 @@ def empty(rows: int, cols: int) -> torch.Tensor:
     floats = rows * cols
     if floats * 4 <= MMAP_THRESHOLD_MAX:
         return torch.empty(rows, cols)
-    blocks: list[np.ndarray] = getattr(_local, "blocks", None) or []
-    _local.blocks = blocks
+    blocks: list[np.ndarray] = _local.__dict__.setdefault("blocks", [])
     for i in range(len(blocks)):
         # Held by the list and getrefcount's argument only: nothing uses it.
         if blocks[i].size >= floats and sys.getrefcount(blocks[i]) == 2:
@@ -49,4 +48,4 @@ def empty(rows: int, cols: int) -> torch.Tensor:
 
 def kept_blocks() -> int:
     """How many blocks this thread keeps (for tests)."""
-    return len(getattr(_local, "blocks", None) or [])
+    return len(_local.__dict__.get("blocks", []))
