@@ -30,6 +30,9 @@ constexpr int kFewRows = 8;
 // rows ahead left part of the read bandwidth unused. They are asked into L2 (T1): into L1
 // (T0), the lm_head over the whole matrix took 1.7x its time in L2 on Zen 4, into L2 the same.
 constexpr int kAheadRows = 32;
+// Input rows the buffered path runs between two shares of its prefetches (cpu_linear's
+// tiles take 4 input rows at a time).
+constexpr int kPrefetchRun = 8;
 // Packed bytes per thread below which splitting is not worth waking a worker (about what
 // the fp32 kernel's 64 K weights take in Q4_1 at a few rows: the work is the widening).
 constexpr int64_t kMinBytesPerThread = 1 << 15;
@@ -164,11 +167,23 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
   // One buffer per thread, kept between calls: kGroupRows rows of K floats (27 KB at K = 576).
   thread_local std::vector<float> rows;
   rows.resize(static_cast<size_t>(kGroupRows) * K);
+  const char *weights = reinterpret_cast<const char *>(w.data);
   for (int n = n_begin; n < n_end; n += kGroupRows) {
     const int count = n + kGroupRows <= n_end ? kGroupRows : n_end - n;
     for (int i = 0; i < count; ++i) widen_row(w, n + i, rows.data() + static_cast<size_t>(i) * K);
-    // The widened rows are columns [0, count) of a matrix starting at row n.
-    linear_cached_rows(x, rows.data(), bias ? bias + n : nullptr, y + n, M, N, K, 0, count);
+    // The next group's bytes, asked into L2 a share before each run of input rows (as the
+    // AVX-512 path does before each tile): widened straight from memory, a group waited on
+    // its lines. The runs change no float (each output's chain is the same at any M).
+    const char *ahead = weights + static_cast<size_t>(std::min(n_end, n + kGroupRows)) * w.row_bytes;
+    const char *stop = weights + static_cast<size_t>(std::min(n_end, n + 2 * kGroupRows)) * w.row_bytes;
+    const int runs = (M + kPrefetchRun - 1) / kPrefetchRun;
+    const int64_t per = (stop - ahead) / 64 / runs + 1;
+    for (int m = 0; m < M; m += kPrefetchRun) {
+      for (int64_t l = 0; l < per && ahead < stop; ++l, ahead += 64) __builtin_prefetch(ahead, 0, 2);
+      // The widened rows are columns [0, count) of a matrix starting at row n.
+      linear_cached_rows(x + static_cast<size_t>(m) * K, rows.data(), bias ? bias + n : nullptr,
+                         y + static_cast<size_t>(m) * N + n, std::min(kPrefetchRun, M - m), N, K, 0, count);
+    }
   }
 }
 
