@@ -313,11 +313,11 @@ ChunkFn<T> pick_chunk_fn(int head_dim) {
   if (packed_avx512_enabled()) {  // (its switch, DEEPINFER_DP_PACKED_AVX512, covers this kernel too)
     if (head_dim == 64) return &attend_chunk_avx2<64, T, HeadsAvx512>;
     if (head_dim == 128) return &attend_chunk_avx2<128, T, HeadsAvx512>;
+    if (head_dim == 256) return &attend_chunk_avx2<256, T, HeadsAvx512>;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     if (head_dim == 64) return &attend_chunk_avx2<64, T, HeadsAvx2>;
     if (head_dim == 128) return &attend_chunk_avx2<128, T, HeadsAvx2>;
-    // Gemma's 256 (with AVX-512 too: the AVX2 form, whose floats the 512-bit one's equal)
     if (head_dim == 256) return &attend_chunk_avx2<256, T, HeadsAvx2>;
   }
 #endif

@@ -177,12 +177,17 @@ struct HeadsAvx512 {
     for (int q = 0; q < Q; ++q) qh[q] = h.q + (first + q) * D, sh[q] = h.sc + (first + q) * h.stride;
     scores<D, T, Q>(qh, kt + first / h.group * D, row, n, scale, sh);
   }
+  // Past 128 dimensions (Gemma 3's 256) the V rows go in slices of 64, as values1's do, so
+  // that the accumulators and a slice's V vectors fit the 32 registers.
   template <int D, class T, int Q>
   DEEPINFER_ATTN_AVX512 static void tile_values(const QueryHeads &h, int first, const T *vt, size_t row, int n) {
+    constexpr int kSlice = D > 128 ? 64 : D;
     const float *ph[Q];
     float *out[Q];
-    for (int q = 0; q < Q; ++q) ph[q] = h.sc + (first + q) * h.stride, out[q] = h.out + (first + q) * D;
-    values<D, T, Q>(ph, vt + first / h.group * D, row, n, out);
+    for (int s = 0; s < D; s += kSlice) {
+      for (int q = 0; q < Q; ++q) ph[q] = h.sc + (first + q) * h.stride, out[q] = h.out + (first + q) * D + s;
+      values<kSlice, T, Q>(ph, vt + first / h.group * D + s, row, n, out);
+    }
   }
   // Each KV head's query heads in tiles of 3 (2 at head size 128: the accumulators and the V
   // row within the 32 registers), the rest one or two at a time.
@@ -198,7 +203,7 @@ struct HeadsAvx512 {
   template <int D, class T>
   __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))) static void block_values(
       const QueryHeads &h, const T *vt, size_t row, int n) {
-    constexpr int kTile = D <= 64 ? 3 : 2;
+    constexpr int kTile = D <= 64 || D > 128 ? 3 : 2;  // (past 128: slices of 64)
     for (int g = 0; g < h.heads; g += h.group) {
       int i = g;
       for (; i + kTile <= g + h.group; i += kTile)

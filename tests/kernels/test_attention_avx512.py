@@ -1,8 +1,9 @@
 """The paged attention kernel's AVX-512 form (up to three query heads of a KV head sharing
 each K and V load) gives every float the AVX2 form gives (forced by
 DEEPINFER_DP_PACKED_AVX512=0, read once per process, so in a child): decode and prefill
-queries, fp32 and bf16 caches, head sizes 64 and 128, groups of 1-5 query heads per KV head
-(tiles of three and the rest), and every prefill token the floats it gets alone."""
+queries, fp32 and bf16 caches, head sizes 64, 128 and 256 (Gemma 3: its V rows in slices of
+64), groups of 1-5 query heads per KV head (tiles of three and the rest), and every prefill
+token the floats it gets alone."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def attend(q, k, v, table, lens, rows, threads: int = 2) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 64), (8, 2, 128), (4, 4, 64), (6, 3, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 64), (8, 2, 128), (4, 4, 64), (6, 3, 128),
+                                                      (4, 1, 256)])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_avx512_and_avx2_attention_give_the_same_floats(heads, kv_heads, head_dim, bf16, tmp_path):
     case = prefill_case(heads, kv_heads, head_dim, bf16)
