@@ -9,6 +9,7 @@
 #include "packed_blocks.h"
 #include "packed_blocks_kquant.h"
 #include "packed_linear_avx512.h"
+#include "rows_ahead.h"
 #include "thread_pool.h"
 
 namespace deepinfer {
@@ -167,19 +168,16 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
   // One buffer per thread, kept between calls: kGroupRows rows of K floats (27 KB at K = 576).
   thread_local std::vector<float> rows;
   rows.resize(static_cast<size_t>(kGroupRows) * K);
-  const char *weights = reinterpret_cast<const char *>(w.data);
   for (int n = n_begin; n < n_end; n += kGroupRows) {
     const int count = n + kGroupRows <= n_end ? kGroupRows : n_end - n;
     for (int i = 0; i < count; ++i) widen_row(w, n + i, rows.data() + static_cast<size_t>(i) * K);
-    // The next group's bytes, asked into L2 a share before each run of input rows (as the
-    // AVX-512 path does before each tile): widened straight from memory, a group waited on
-    // its lines. The runs change no float (each output's chain is the same at any M).
-    const char *ahead = weights + static_cast<size_t>(std::min(n_end, n + kGroupRows)) * w.row_bytes;
-    const char *stop = weights + static_cast<size_t>(std::min(n_end, n + 2 * kGroupRows)) * w.row_bytes;
+    // The next group arrives while this one runs, a share before each run of input rows; the
+    // runs change no float (each output's chain is the same at any M).
+    const int next = std::min(n_end, n + kGroupRows);
     const int runs = (M + kPrefetchRun - 1) / kPrefetchRun;
-    const int64_t per = (stop - ahead) / 64 / runs + 1;
+    RowsAhead ahead(w.data, w.row_bytes, next, std::min(n_end, next + kGroupRows), runs);
     for (int m = 0; m < M; m += kPrefetchRun) {
-      for (int64_t l = 0; l < per && ahead < stop; ++l, ahead += 64) __builtin_prefetch(ahead, 0, 2);
+      ahead.next();
       // The widened rows are columns [0, count) of a matrix starting at row n.
       linear_cached_rows(x + static_cast<size_t>(m) * K, rows.data(), bias ? bias + n : nullptr,
                          y + static_cast<size_t>(m) * N + n, std::min(kPrefetchRun, M - m), N, K, 0, count);

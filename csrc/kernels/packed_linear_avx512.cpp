@@ -7,6 +7,7 @@
 
 #include "packed_blocks.h"
 #include "packed_blocks_kquant.h"
+#include "rows_ahead.h"
 
 namespace deepinfer {
 
@@ -194,23 +195,11 @@ AVX512_KERNEL void pair_tile(const float *buf, const float *x, const int (*rows)
   store_tile<NP, MB>(&acc[0][0], rows, bias, y, N);
 }
 
-// The next group's weight bytes, asked into L2 (T1) a share before each tile: widened
-// straight from memory, a group waited on its lines (the hardware prefetcher does not run a
-// whole group ahead across the tiles between two widenings), and all of a group's lines
-// asked for at once overflow the misses a core keeps in flight.
-struct Ahead {
-  const char *at = nullptr, *end = nullptr;
-  int per = 0;  // lines a share
-  AVX512_KERNEL void next() {
-    for (int l = 0; l < per && at < end; ++l, at += 64) _mm_prefetch(at, _MM_HINT_T1);
-  }
-};
-
 // The buffered pairs against every input row, kTileInputs rows at a time (the inputs stream
 // once per group of pairs).
 template <int NP>
 AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const int (*rows)[2], const float *bias,
-                                        float *y, int M, int N, int K, Ahead &ahead) {
+                                        float *y, int M, int N, int K, RowsAhead &ahead) {
   int m = 0;
   for (; m + kTileInputs <= M; m += kTileInputs) {
     ahead.next();
@@ -234,7 +223,7 @@ AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const 
 // The pairs of [n0, n1) against every input row, kGroupPairs pairs at a time, each group
 // widened by `widen(rows, pairs, buf)` into an aligned buffer kept per thread.
 template <class Widen>
-void pairs_of_columns(Widen widen, const char *weights, size_t row_bytes, const float *x, const float *bias, float *y,
+void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const float *x, const float *bias, float *y,
                       int M, int N, int K, int n0, int n1) {
   // One 64-byte-aligned buffer per thread, kept between calls: kGroupPairs pairs of K floats each.
   thread_local std::vector<float> storage;
@@ -248,10 +237,10 @@ void pairs_of_columns(Widen widen, const char *weights, size_t row_bytes, const 
       rows[pairs][1] = std::min(r + 1, n1 - 1);
     }
     widen(rows, pairs, buf);
-    const int next = std::min(n1, n + 2 * kGroupPairs), next_end = std::min(n1, next + 2 * kGroupPairs);
-    const int tiles = ((pairs + kTilePairs - 1) / kTilePairs) * (M / kTileInputs + 1);
-    Ahead ahead{weights + next * row_bytes, weights + next_end * row_bytes, 0};
-    ahead.per = static_cast<int>((ahead.end - ahead.at) / 64 / tiles + 1);
+    // The next group arrives while this one's tiles run, a share before each tile.
+    const int next = std::min(n1, n + 2 * kGroupPairs);
+    const int tiles = (pairs / kTilePairs + pairs % kTilePairs) * (M / kTileInputs + 1);
+    RowsAhead ahead(weights, row_bytes, next, std::min(n1, next + 2 * kGroupPairs), tiles);
     int p = 0;
     for (; p + kTilePairs <= pairs; p += kTilePairs)
       pairs_against_inputs<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, ahead);
@@ -263,7 +252,7 @@ void pairs_of_columns(Widen widen, const char *weights, size_t row_bytes, const 
 template <class F>
 void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
   const auto widen = [&w](const int (*rows)[2], int pairs, float *buf) { widen_pairs<F>(w, rows, pairs, buf); };
-  pairs_of_columns(widen, reinterpret_cast<const char *>(w.data), w.row_bytes, x, bias, y, M, w.rows, w.cols, n0, n1);
+  pairs_of_columns(widen, w.data, w.row_bytes, x, bias, y, M, w.rows, w.cols, n0, n1);
 }
 
 // fp32 weight rows "widened" by copying them into the buffer's pair layout (K % 8 == 0).
@@ -318,7 +307,7 @@ void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float 
 void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,
                              int n1) {
   const auto copy = [w, K](const int (*rows)[2], int pairs, float *buf) { copy_pairs(w, K, rows, pairs, buf); };
-  pairs_of_columns(copy, reinterpret_cast<const char *>(w), sizeof(float) * K, x, bias, y, M, N, K, n0, n1);
+  pairs_of_columns(copy, w, sizeof(float) * K, x, bias, y, M, N, K, n0, n1);
 }
 #else
 bool packed_avx512_enabled() { return false; }
