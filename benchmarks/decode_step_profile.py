@@ -6,7 +6,8 @@ or the real Gemma 3 270M Q4_K_M (`--model gemma3`), or a bf16 copy of SmolLM2 co
 `--batch` chat-sized prompts, greedy, 128 new tokens. What is outside the three is the step's
 Python: scheduling, metadata, outputs.
 
-    python benchmarks/decode_step_profile.py [--rounds 3] [--max-tokens 128] [--batch 1] [--model smollm2|gemma3|smollm2-bf16]
+    python benchmarks/decode_step_profile.py [--rounds 3] [--max-tokens 128] [--batch 1]
+        [--model smollm2|gemma3|smollm2-bf16]
 """
 
 from __future__ import annotations
