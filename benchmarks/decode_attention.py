@@ -10,10 +10,11 @@ through `_C.paged_attention`, on 1 and 2 threads, against
 If the kernel overlapped its arithmetic with reading, a layer would take about the longer of
 "read" and "cached"; if not at all, their sum. Prints both next to the measured time.
 `--layout sequential` puts each sequence's blocks one after another, as a fresh engine
-allocates them (default: scattered, as in a server that has run a while).
+allocates them (default: scattered, as in a server that has run a while). `--kv-dtype bf16`
+holds the cache in bf16 (`kv_cache_dtype="bfloat16"`, and the bf16 compute path's cache).
 
     python benchmarks/decode_attention.py [--sequences 16] [--positions 2100] [--rounds 5]
-        [--layout scattered|sequential]
+        [--layout scattered|sequential] [--kv-dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from ceilings import read_gbs  # noqa: E402  (the peers runner's read ceiling, per thread count)
@@ -50,19 +52,22 @@ def main() -> None:
     ap.add_argument("--layout", choices=["scattered", "sequential"], default="scattered",
                     help="each sequence's blocks anywhere in the cache (a long-running server's) or "
                          "one after another (a fresh engine's)")
+    ap.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args()
     s, n = args.sequences, args.positions
     blocks = -(-n // BLOCK)
     rng = np.random.default_rng(0)
     k = rng.standard_normal((s * blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
     v = rng.standard_normal((s * blocks, BLOCK, KV_HEADS, DIM), dtype=np.float32)
+    if args.kv_dtype == "bf16":  # the bits of bf16 values, as the cache holds them
+        k, v = (torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy() for a in (k, v))
     order = rng.permutation(s * blocks) if args.layout == "scattered" else np.arange(s * blocks)
     tables = order.astype(np.int32).reshape(s, blocks)
     cached = np.ascontiguousarray(np.broadcast_to(tables[:1], tables.shape))
     lens = np.full(s, n, np.int32)
     q = rng.standard_normal((s, HEADS, DIM), dtype=np.float32)
     out = np.empty_like(q)
-    mb = 2 * s * n * KV_HEADS * DIM * 4 / 1e6
+    mb = 2 * s * n * KV_HEADS * DIM * k.itemsize / 1e6
     print(f"{s} sequences x {n} positions: {mb:.1f} MB of K/V a layer; best of {args.rounds} rounds x 10 calls")
     for threads in (1, 2):
         for r in range(args.rounds):

@@ -106,7 +106,13 @@ DEEPINFER_ATTN_AVX512 void values(const float *const *ph, const T *vt, size_t ro
     for (int r = 0; r < R; ++r) acc[q][r] = _mm512_loadu_ps(out[q] + 16 * r);
   for (int i = 0; i < n; ++i, vt += row) {
     __m512 v[R];
-    for (int r = 0; r < R; ++r) v[r] = load16(vt + 16 * r);
+    for (int r = 0; r < R; ++r) {
+      v[r] = load16(vt + 16 * r);
+      // Held in a register for all Q heads: left to itself the compiler folds the load into
+      // each head's multiply-add, Q loads a vector, and on a core that loads one 512-bit
+      // vector a cycle the loads then outnumber the multiply-adds.
+      asm("" : "+v"(v[r]));
+    }
     for (int q = 0; q < Q; ++q) {
       const __m512 w = _mm512_set1_ps(ph[q][i]);
       for (int r = 0; r < R; ++r) acc[q][r] = _mm512_fmadd_ps(w, v[r], acc[q][r]);
