@@ -9,6 +9,7 @@
 
 #include "bf16_amx.h"
 #include "packed_linear_avx512.h"
+#include "rows_ahead.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -84,18 +85,11 @@ BF16_KERNEL inline __m512 dot_step(__m512 acc, __m512i w, __m512i x) {
   }
 }
 
-// The next group's bytes [at, end), asked into L2 a line a step of the current group's
-// tiles, so that reading it from memory overlaps their arithmetic (RowsAhead's share before
-// each tile, about 100 lines at once for a group of 74 KB, gained nothing here).
-struct NextGroup {
-  const char *at = nullptr, *end = nullptr;
-};
-
 // NB blocks (from row `first`) against MB input rows: NB x MB chains in registers, each
 // weight vector loaded once per step for all MB rows; the lanes in [n0, n1) are stored.
 template <bool kNative, int NB, int MB>
 BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int first, int n0,
-                      int n1, NextGroup &next) {
+                      int n1, RowsAhead &next) {
   const int K = w.cols, steps = K / 2;
   const size_t stride = static_cast<size_t>(K) * kLanes;  // uint16 values per block
   const uint16_t *wb = block_of(w, first);
@@ -103,7 +97,7 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
   for (int p = 0; p < steps; ++p) {
-    if (next.at < next.end) __builtin_prefetch(next.at, 0, 2), next.at += 64;
+    next.next();
     __m512i wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(wb + b * stride + 32 * p);
     for (int j = 0; j < MB; ++j) {
@@ -125,10 +119,10 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
 }
 
 // NB blocks against all M rows, kTileRows at a time (the blocks stay in cache meanwhile),
-// reading `next` along the way.
+// asking for a share of the next group's lines (`next`) every step of every tile.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
-                                     int first, int n0, int n1, NextGroup next = {}) {
+                                     int first, int n0, int n1, RowsAhead next = RowsAhead(nullptr, 0, 0, 0, 1)) {
   const size_t K = w.cols, N = w.rows;
   int m = 0;
   for (; m + kTileRows <= M; m += kTileRows)
@@ -162,20 +156,22 @@ BF16_KERNEL void last_blocks(const uint16_t *xb, const PackedMatrix &w, const fl
 }
 
 // Blocks per pass: at one or two rows enough chains to cover vdpbf16ps's latency (and
-// weight streams to keep memory busy); from three rows on, 4 blocks x the tile's rows.
+// weight streams to keep memory busy); from three rows on, 4 blocks x the tile's rows. Where
+// a group is multiplied by more than one tile of rows, the next group is read meanwhile, its
+// lines spread over every step of the group's tiles: a group (74 KB at 576 columns) is read
+// by its first tile and reused by the rest, and a share asked before each tile (~100 lines at
+// once) gained nothing. At one tile the hardware prefetcher keeps up.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_in_groups(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                   int n0, int n1) {
   const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
-  const char *last = reinterpret_cast<const char *>(block_of(w, end - 1) + static_cast<size_t>(w.cols) * kLanes);
+  const size_t block_bytes = static_cast<size_t>(w.cols) * kLanes * sizeof(uint16_t);
+  const int steps = M > kTileRows ? (M + kTileRows - 1) / kTileRows * (w.cols / 2) : 0;
   int first = n0 / kLanes * kLanes;
   for (; first + NB * kLanes <= end; first += NB * kLanes) {
-    NextGroup next;
-    if (M > kTileRows) {
-      next.at = reinterpret_cast<const char *>(block_of(w, first + NB * kLanes));
-      next.end = std::min(last, reinterpret_cast<const char *>(block_of(w, first + 2 * NB * kLanes)));
-    }
-    blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1, next);
+    const int next = first / kLanes + NB, next_end = steps ? std::min(end / kLanes, next + NB) : next;
+    blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1,
+                                     RowsAhead(w.data, block_bytes, next, next_end, steps));
   }
   last_blocks<kNative>(xb, w, bias, y, M, first, (end - first) / kLanes, n0, n1);
 }

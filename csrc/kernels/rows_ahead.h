@@ -1,9 +1,10 @@
 // The next group of a row-major matrix's rows, asked into L2 a share of lines at a time while
 // the current group is multiplied: the buffered many-row kernels widen (or copy) a group of
-// weight rows and then run every input row against it, and between two groups the hardware
-// prefetcher does not run a whole group ahead, so a group widened straight from memory waited
-// on its lines. All of a group's lines asked for at once overflow the misses a core keeps in
-// flight; a share before each piece of the current group's work keeps the reading going.
+// weight rows, the bf16 tiles read one, and then every input row runs against it; between two
+// groups the hardware prefetcher does not run a whole group ahead, so a group read straight
+// from memory waited on its lines. All of a group's lines asked for at once overflow the
+// misses a core keeps in flight; a share before each piece of the current group's work (a
+// tile, or for the bf16 tiles each step of one) keeps the reading going.
 #pragma once
 
 #include <algorithm>
