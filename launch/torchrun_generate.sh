@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Offline DP on one machine under torchrun: NPROC ranks (default 2), one torch thread each.
+# torchrun's agent listens on every interface (unauthenticated stores): docs/reliability.md#security.
 #   launch/torchrun_generate.sh [extra args of launch/torchrun_generate.py]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from loopback_netns import loopback_netns
 
 from deepinfer_dp.sampling_params import SamplingParams
 
@@ -30,19 +33,24 @@ def token_ids(results) -> list[list[int]]:
 
 
 def run_torchrun(args: list[str], nproc: int = 2, env: dict | None = None,
-                 timeout_s: float = 300) -> subprocess.CompletedProcess:
+                 timeout_s: float = 300, netns: str | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone` of `args` (a script and its arguments) in `nproc` processes,
     from the repository root, in its own process group so that past `timeout_s` the whole
-    group is killed (torchrun's rank processes too, not only torchrun)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    group is killed (torchrun's rank processes too, not only torchrun). It runs in network
+    namespace `netns`, or in a private one made for the run: torchrun's agent listens on
+    every interface (tests/loopback_netns.py)."""
+    with contextlib.ExitStack() as stack:
+        ns = netns or stack.enter_context(loopback_netns())
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

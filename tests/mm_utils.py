@@ -4,6 +4,7 @@ test images, built offline for the multimodal tests."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import io
 import os
@@ -16,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from model_utils import build_tiny_tokenizer, randomize_biases_and_norms  # noqa: E402
+from netns_utils import in_netns  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     CLIPImageProcessorPil,
@@ -139,9 +141,10 @@ def build_tiny_idefics3(path: str | os.PathLike, seed: int = 0, tile: int = 56) 
 
 
 @contextlib.contextmanager
-def slow_image_server(delay_s: float, image: Image.Image):
+def slow_image_server(delay_s: float, image: Image.Image, netns: str | None = None):
     """A loopback HTTP server that answers every GET with `image` as PNG after `delay_s`;
-    yields the image's URL and stops the server on exit."""
+    yields the image's URL and stops the server on exit. With `netns`, it listens on that
+    network namespace's loopback (for ranks run there: tests/loopback_netns.py)."""
     body = png_bytes(image)
 
     class Slow(http.server.BaseHTTPRequestHandler):
@@ -155,7 +158,8 @@ def slow_image_server(delay_s: float, image: Image.Image):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    make = functools.partial(http.server.ThreadingHTTPServer, ("127.0.0.1", 0), Slow)
+    server = in_netns(netns, make) if netns else make()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/slow.png"

@@ -4,8 +4,6 @@ DP=1 token for token, and a clean exit (status 0, no abort) every time."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -80,9 +78,7 @@ def test_torchrun_exits_cleanly_without_shutdown(tiny_model_dir, tmp_path):
     script = tmp_path / "no_shutdown.py"
     script.write_text(EXIT_WITHOUT_SHUTDOWN)
     for _ in range(5):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               "2", str(script), str(tiny_model_dir)], capture_output=True, text=True, timeout=300,
-                              cwd=ROOT)
+        proc = run_torchrun([str(script), str(tiny_model_dir)])
         _clean_exit(proc.returncode, proc.stderr)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dp_utils import run_torchrun
+from loopback_netns import loopback_netns
 from mm_utils import HFReference, build_tiny_llava, make_image, slow_image_server
 
 HERE = Path(__file__).resolve().parent
@@ -21,8 +22,9 @@ TOKENS = 5
 def test_a_rank_waiting_for_images_keeps_the_group_stepping(tmp_path_factory, tmp_path):
     model = build_tiny_llava(tmp_path_factory.getbasetemp() / "tiny-llava")
     out = tmp_path / "out.json"
-    with slow_image_server(DELAY_S, make_image(50)) as slow_url:
-        proc = run_torchrun([str(HERE / "dp_images_rank.py"), str(model), str(out), slow_url, str(TOKENS)])
+    with loopback_netns() as ns, slow_image_server(DELAY_S, make_image(50), netns=ns) as slow_url:
+        proc = run_torchrun([str(HERE / "dp_images_rank.py"), str(model), str(out), slow_url, str(TOKENS)],
+                            netns=ns)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     hf = HFReference(model)
