@@ -14,10 +14,11 @@ import itertools
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
 
 import pytest
-from netns_utils import PREFIX, _ip, netns_pids
+from netns_utils import PREFIX, netns_pids
 
 _made = itertools.count()
 
@@ -40,3 +41,7 @@ def loopback_netns() -> Iterator[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _ip("netns", "del", name, check=False)
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True)
