@@ -14,11 +14,10 @@ import itertools
 import os
 import shutil
 import signal
-import subprocess
 from collections.abc import Iterator
 
 import pytest
-from netns_utils import PREFIX, netns_pids
+from netns_utils import PREFIX, ip, netns_pids
 
 _made = itertools.count()
 
@@ -32,16 +31,12 @@ def loopback_netns() -> Iterator[str]:
         pytest.skip("needs root and iproute2: torchrun listens on every interface, so it runs in a "
                     "private network namespace")
     name = f"{PREFIX}lo-{os.getpid()}-{next(_made)}"
-    _ip("netns", "add", name)
+    ip("netns", "add", name)
     try:
-        _ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "set", "lo", "up")
         yield name
     finally:
         for pid in netns_pids(name):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _ip("netns", "del", name, check=False)
-
-
-def _ip(*args: str, check: bool = True) -> None:
-    subprocess.run(["ip", *args], check=check, capture_output=True)
+        ip("netns", "del", name, check=False)

@@ -40,18 +40,19 @@ CLONE_NEWNET = 0x40000000
 BIN = Path(sys.executable).parent
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`ip ARGS`, its output captured (tests/loopback_netns.py uses it too)."""
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
 def namespaces() -> list[str]:
     """Every network namespace whose name starts with dinf- (anyone's)."""
-    out = _ip("netns", "list").stdout
+    out = ip("netns", "list").stdout
     return sorted(line.split()[0] for line in out.splitlines() if line.startswith(PREFIX))
 
 
 def netns_pids(ns: str) -> list[int]:
-    out = _ip("netns", "pids", ns, check=False).stdout
+    out = ip("netns", "pids", ns, check=False).stdout
     return [int(pid) for pid in out.split()]
 
 
@@ -157,10 +158,10 @@ class NetnsCluster:
             self.dir.mkdir(parents=True, exist_ok=False)
             self.token_path.write_text(secrets.token_hex(32))
             self.token_path.chmod(0o600)
-            _ip("netns", "add", self._bridge)
-            _ip("-n", self._bridge, "link", "set", "lo", "up")
-            _ip("-n", self._bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self._bridge, "link", "set", "br0", "up")
+            ip("netns", "add", self._bridge)
+            ip("-n", self._bridge, "link", "set", "lo", "up")
+            ip("-n", self._bridge, "link", "add", "br0", "type", "bridge")
+            ip("-n", self._bridge, "link", "set", "br0", "up")
             for node in self.nodes.values():
                 self._attach(node)
             if not ray:
@@ -184,17 +185,17 @@ class NetnsCluster:
 
     def _attach(self, node: Node) -> None:
         ns, port = self.ns(node.name), f"p-{node.name}"
-        _ip("netns", "add", ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self._bridge)
-        _ip("-n", ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", self._bridge, "link", "set", port, "master", "br0")
-        _ip("-n", self._bridge, "link", "set", port, "up")
+        ip("netns", "add", ns)
+        ip("-n", ns, "link", "set", "lo", "up")
+        ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self._bridge)
+        ip("-n", ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
+        ip("-n", ns, "link", "set", "eth0", "up")
+        ip("-n", self._bridge, "link", "set", port, "master", "br0")
+        ip("-n", self._bridge, "link", "set", port, "up")
 
     def set_link(self, name: str, up: bool) -> None:
         """Cuts (or restores) node `name` off the bridge, its processes left running."""
-        _ip("-n", self._bridge, "link", "set", f"p-{name}", "up" if up else "down")
+        ip("-n", self._bridge, "link", "set", f"p-{name}", "up" if up else "down")
 
     # ---- processes ----------------------------------------------------------------------
     def popen(self, name: str, argv: list[str], log: Path | None = None, **kwargs: Any) -> subprocess.Popen:
@@ -265,7 +266,7 @@ class NetnsCluster:
             time.sleep(0.1)
         alive = [pid for ns in mine for pid in netns_pids(ns)]
         for ns in mine:
-            _ip("netns", "delete", ns, check=False)
+            ip("netns", "delete", ns, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
         if alive:
             raise RuntimeError(f"processes {alive} of cluster {self.id} outlived 5 s of SIGKILL")
