@@ -122,7 +122,7 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
 // asking for a share of the next group's lines (`next`) every step of every tile.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
-                                     int first, int n0, int n1, RowsAhead next = RowsAhead(nullptr, 0, 0, 0, 1)) {
+                                     int first, int n0, int n1, RowsAhead next) {
   const size_t K = w.cols, N = w.rows;
   int m = 0;
   for (; m + kTileRows <= M; m += kTileRows)
@@ -139,18 +139,19 @@ BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, 
   }
 }
 
-// The last `count` (< 8) blocks of a range, as one group.
+// The last `count` (< 8) blocks of a range, as one group (nothing of the matrix after it).
 template <bool kNative>
 BF16_KERNEL void last_blocks(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int first,
-                             int count, int n0, int n1) {
+                             int count, int n0, int n1, SideLines *side) {
+  const RowsAhead none(nullptr, 0, 0, 0, 1, side);
   switch (count) {
-    case 7: return blocks_against_rows<kNative, 7>(xb, w, bias, y, M, first, n0, n1);
-    case 6: return blocks_against_rows<kNative, 6>(xb, w, bias, y, M, first, n0, n1);
-    case 5: return blocks_against_rows<kNative, 5>(xb, w, bias, y, M, first, n0, n1);
-    case 4: return blocks_against_rows<kNative, 4>(xb, w, bias, y, M, first, n0, n1);
-    case 3: return blocks_against_rows<kNative, 3>(xb, w, bias, y, M, first, n0, n1);
-    case 2: return blocks_against_rows<kNative, 2>(xb, w, bias, y, M, first, n0, n1);
-    case 1: return blocks_against_rows<kNative, 1>(xb, w, bias, y, M, first, n0, n1);
+    case 7: return blocks_against_rows<kNative, 7>(xb, w, bias, y, M, first, n0, n1, none);
+    case 6: return blocks_against_rows<kNative, 6>(xb, w, bias, y, M, first, n0, n1, none);
+    case 5: return blocks_against_rows<kNative, 5>(xb, w, bias, y, M, first, n0, n1, none);
+    case 4: return blocks_against_rows<kNative, 4>(xb, w, bias, y, M, first, n0, n1, none);
+    case 3: return blocks_against_rows<kNative, 3>(xb, w, bias, y, M, first, n0, n1, none);
+    case 2: return blocks_against_rows<kNative, 2>(xb, w, bias, y, M, first, n0, n1, none);
+    case 1: return blocks_against_rows<kNative, 1>(xb, w, bias, y, M, first, n0, n1, none);
     default: return;
   }
 }
@@ -160,28 +161,32 @@ BF16_KERNEL void last_blocks(const uint16_t *xb, const PackedMatrix &w, const fl
 // a group is multiplied by more than one tile of rows, the next group is read meanwhile, its
 // lines spread over every step of the group's tiles: a group (74 KB at 576 columns) is read
 // by its first tile and reused by the rest, and a share asked before each tile (~100 lines at
-// once) gained nothing. At one tile the hardware prefetcher keeps up.
+// once) gained nothing. At one tile the hardware prefetcher keeps up. `side`'s lines are
+// spread over every step of every tile.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_in_groups(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
-                                  int n0, int n1) {
+                                  int n0, int n1, SideLines *side) {
   const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
   const size_t block_bytes = static_cast<size_t>(w.cols) * kLanes * sizeof(uint16_t);
-  const int steps = M > kTileRows ? (M + kTileRows - 1) / kTileRows * (w.cols / 2) : 0;
+  const int tile_steps = (M + kTileRows - 1) / kTileRows * (w.cols / 2);
+  const int steps = M > kTileRows ? tile_steps : 0;
   int first = n0 / kLanes * kLanes;
+  if (side) side->spread(static_cast<int64_t>((end - first) / kLanes + NB - 1) / NB * tile_steps, NB * kTileRows / 24);
   for (; first + NB * kLanes <= end; first += NB * kLanes) {
     const int next = first / kLanes + NB, next_end = steps ? std::min(end / kLanes, next + NB) : next;
     blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1,
-                                     RowsAhead(w.data, block_bytes, next, next_end, steps));
+                                     RowsAhead(w.data, block_bytes, next, next_end, steps, side));
   }
-  last_blocks<kNative>(xb, w, bias, y, M, first, (end - first) / kLanes, n0, n1);
+  last_blocks<kNative>(xb, w, bias, y, M, first, (end - first) / kLanes, n0, n1, side);
 }
 
 template <bool kNative>
-void simd_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
+void simd_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1,
+                  SideLines *side) {
   switch (M) {
-    case 1: return blocks_in_groups<kNative, 8>(xb, w, bias, y, M, n0, n1);
-    case 2: return blocks_in_groups<kNative, 6>(xb, w, bias, y, M, n0, n1);
-    default: return blocks_in_groups<kNative, 4>(xb, w, bias, y, M, n0, n1);
+    case 1: return blocks_in_groups<kNative, 8>(xb, w, bias, y, M, n0, n1, side);
+    case 2: return blocks_in_groups<kNative, 6>(xb, w, bias, y, M, n0, n1, side);
+    default: return blocks_in_groups<kNative, 4>(xb, w, bias, y, M, n0, n1, side);
   }
 }
 
@@ -342,7 +347,7 @@ void bf16_round_rows(const float *x, int M, int cols, uint16_t *out) {
 }
 
 void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
-                        int n_end, Bf16DotPath path) {
+                        int n_end, Bf16DotPath path, SideLines *side) {
   if (M <= 0 || n_begin >= n_end) return;
   thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
   if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) {  // whole tiles of 16 rows: the rest zeros
@@ -356,8 +361,8 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
   xb.resize(static_cast<size_t>(M) * w.cols);
   bf16_round_rows(x, M, w.cols, xb.data());
 #ifdef DEEPINFER_BF16_X86
-  if (path == Bf16DotPath::kNative) return simd_columns<true>(xb.data(), w, bias, y, M, n_begin, n_end);
-  if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb.data(), w, bias, y, M, n_begin, n_end);
+  if (path == Bf16DotPath::kNative) return simd_columns<true>(xb.data(), w, bias, y, M, n_begin, n_end, side);
+  if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb.data(), w, bias, y, M, n_begin, n_end, side);
   if (path == Bf16DotPath::kWiden256) return avx2_columns(xb.data(), w, bias, y, M, n_begin, n_end);
 #endif
   scalar_columns(xb.data(), w, bias, y, M, n_begin, n_end);

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "packed_weights.h"
+#include "side_lines.h"
 
 namespace deepinfer {
 
@@ -48,8 +49,9 @@ void bf16_pairs_widen_row(const PackedMatrix &w, int row, float *out);
 void bf16_round_rows(const float *x, int M, int cols, uint16_t *out);
 
 // The outputs [n_begin, n_end) of y [M, w.rows] (any bounds: a split inside a block of 16
-// computes the block and stores its part).
+// computes the block and stores its part). `side`: lines to ask for meanwhile (the 512-bit
+// paths; the others leave them).
 void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
-                        int n_end, Bf16DotPath path);
+                        int n_end, Bf16DotPath path, SideLines *side = nullptr);
 
 }  // namespace deepinfer

@@ -1,7 +1,11 @@
 #include "llama_decode.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cpu_fused_ops.h"
 #include "cpu_linear.h"
@@ -13,11 +17,11 @@ namespace deepinfer {
 
 namespace {
 
-void project(const DecodeLinear &l, const float *x, float *y, int rows, int threads) {
+void project(const DecodeLinear &l, const float *x, float *y, int rows, int threads, const SideShare &side = {}) {
   if (!l.parts.empty())
-    packed_parts_threaded(x, l.parts, l.bias, y, rows, threads);
+    packed_parts_threaded(x, l.parts, l.bias, y, rows, threads, side);
   else if (l.matrix.data)
-    packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads);
+    packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads, side);
   else
     linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);
 }
@@ -25,6 +29,7 @@ void project(const DecodeLinear &l, const float *x, float *y, int rows, int thre
 // Scratch of one step, sized once.
 struct Buffers {
   std::vector<float> normed, qkv, q, attn, gate_up, act, other;
+  LineBlocks next_kv;  // the next layer's K/V blocks (side_lines.h)
   Buffers(const DecodeShape &s, int T)
       : normed(static_cast<size_t>(T) * s.hidden),
         qkv(static_cast<size_t>(T) * (s.heads + 2 * s.kv_heads) * s.head_dim),
@@ -71,8 +76,34 @@ void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &ste
                            step.context_lens, L.scale, b.attn.data(), threads);
 }
 
-// The MLP of one layer: normed -> out [T, hidden].
-void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *out, int threads) {
+// Every K and V block the layer's attention will read in this step (each query row's, from its
+// window's first block), into kv.
+void kv_blocks(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &step, LineBlocks &kv) {
+  const size_t element = s.kv_dtype == KvDtype::kF32 ? sizeof(float) : sizeof(uint16_t);
+  const size_t block_bytes = static_cast<size_t>(s.block_size) * s.kv_heads * s.head_dim * element;
+  std::vector<int> first(step.num_rows, INT32_MAX), last(step.num_rows, 0);
+  for (int t = 0; t < step.tokens; ++t) {
+    const int r = step.query_rows ? step.query_rows[t] : t, len = step.context_lens[t];
+    first[r] = std::min(first[r], window_start(len, L.window) / s.block_size);
+    last[r] = std::max(last[r], (len + s.block_size - 1) / s.block_size);
+  }
+  kv.starts.clear();
+  kv.lines = static_cast<int>((block_bytes + 63) / 64);
+  const int32_t *tables = step.block_tables + static_cast<size_t>(L.group) * step.num_rows * step.max_blocks;
+  for (int r = 0; r < step.num_rows; ++r)
+    for (int b = first[r]; b < last[r]; ++b) {
+      const size_t at = static_cast<size_t>(tables[static_cast<size_t>(r) * step.max_blocks + b]) * block_bytes;
+      kv.starts.push_back(static_cast<const char *>(L.k_cache) + at);
+      kv.starts.push_back(static_cast<const char *>(L.v_cache) + at);
+    }
+}
+
+// The MLP of one layer: normed -> out [T, hidden]. The down projection asks for `side` (the
+// next layer's K/V blocks) as it goes: the product right before that attention, so that its
+// blocks are the last in and the first still there (asked over both products, at 64 bf16
+// SmolLM2 rows, a step gained about half as much).
+void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *out, int threads,
+         const LineBlocks &side) {
   const int I = s.intermediate;
   const auto act = s.act == Activation::kGeluTanh ? gelu_tanh_mul : silu_mul;
   project(L.gate_up, b.normed.data(), b.gate_up.data(), T, threads);
@@ -82,7 +113,7 @@ void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *o
       act(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
     }
   });
-  project(L.down, b.act.data(), out, T, threads);
+  project(L.down, b.act.data(), out, T, threads, SideShare{&side, 0, side.total()});
 }
 
 }  // namespace
@@ -98,6 +129,10 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
     split_rows(T, threads, [&](int begin, int end) { rms_norm_rows(x, residual, weight, eps, y, H, begin, end); });
   };
   norm(res, nullptr, layers[0].input_norm, s.eps, b.normed.data());
+  // DEEPINFER_DP_KV_AHEAD=0: no asking ahead. Read at every call, so that
+  // benchmarks/kv_ahead.py can compare both in one process, every other step.
+  const char *ahead = std::getenv("DEEPINFER_DP_KV_AHEAD");
+  const bool ask_ahead = !(ahead && std::strcmp(ahead, "0") == 0);
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayer &L = layers[i];
     attention(s, L, step, b, threads);
@@ -105,11 +140,15 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
     if (L.attn_out_norm) norm(next, nullptr, L.attn_out_norm, s.eps, next);  // in place: each row read first
     norm(next, res, L.ffn_norm, s.eps, b.normed.data());
     std::swap(res, next);
-    mlp(s, L, T, b, next, threads);
+    const bool last_layer = i + 1 == layers.size();
+    if (last_layer || !ask_ahead)
+      b.next_kv.starts.clear();
+    else
+      kv_blocks(s, layers[i + 1], step, b.next_kv);
+    mlp(s, L, T, b, next, threads, b.next_kv);
     if (L.mlp_out_norm) norm(next, nullptr, L.mlp_out_norm, s.eps, next);
-    const bool last = i + 1 == layers.size();
-    norm(next, res, last ? final_norm : layers[i + 1].input_norm, last ? final_eps : s.eps,
-         last ? out : b.normed.data());
+    norm(next, res, last_layer ? final_norm : layers[i + 1].input_norm, last_layer ? final_eps : s.eps,
+         last_layer ? out : b.normed.data());
     std::swap(res, next);
   }
 }

@@ -147,35 +147,38 @@ bool fused_ok(const PackedMatrix &w) {
 }  // namespace
 
 void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
-                           int n_end) {
+                           int n_end, SideLines *side) {
   const int K = w.cols, N = w.rows, block = input_row_block(K);
   if (M > block) {  // a block of inputs in L2 against every group of weight rows; same floats
     for (int m = 0; m < M; m += block)
       packed_linear_columns(x + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,
-                            std::min(block, M - m), n_begin, n_end);
+                            std::min(block, M - m), n_begin, n_end, side);
     return;
   }
   if (w.format == WeightFormat::kBF16Pairs)  // bf16 arithmetic, not widened
-    return bf16_pairs_columns(x, w, bias, y, M, n_begin, n_end, bf16_dot_default_path());
+    return bf16_pairs_columns(x, w, bias, y, M, n_begin, n_end, bf16_dot_default_path(), side);
 #ifdef DEEPINFER_PACKED_AVX2
   if (fused_ok(w)) {
     if (packed_avx512_enabled())
       return M <= kFewRows ? packed_few_rows_avx512(x, w, bias, y, M, n_begin, n_end)
-                           : packed_many_rows_avx512(x, w, bias, y, M, n_begin, n_end);
+                           : packed_many_rows_avx512(x, w, bias, y, M, n_begin, n_end, side);
     if (M <= kFewRows) return fused_inputs(x, w, bias, y, M, n_begin, n_end);
   }
 #endif
   // One buffer per thread, kept between calls: kGroupRows rows of K floats (27 KB at K = 576).
   thread_local std::vector<float> rows;
   rows.resize(static_cast<size_t>(kGroupRows) * K);
+  const int runs = (M + kPrefetchRun - 1) / kPrefetchRun;
+  if (side)  // a call: a run of kPrefetchRun input rows against kGroupRows rows of K
+    side->spread(static_cast<int64_t>((n_end - n_begin + kGroupRows - 1) / kGroupRows) * runs,
+                 static_cast<int64_t>(kPrefetchRun) * kGroupRows * K / 8 / 24);
   for (int n = n_begin; n < n_end; n += kGroupRows) {
     const int count = n + kGroupRows <= n_end ? kGroupRows : n_end - n;
     for (int i = 0; i < count; ++i) widen_row(w, n + i, rows.data() + static_cast<size_t>(i) * K);
     // The next group arrives while this one runs, a share before each run of input rows; the
     // runs change no float (each output's chain is the same at any M).
     const int next = std::min(n_end, n + kGroupRows);
-    const int runs = (M + kPrefetchRun - 1) / kPrefetchRun;
-    RowsAhead ahead(w.data, w.row_bytes, next, std::min(n_end, next + kGroupRows), runs);
+    RowsAhead ahead(w.data, w.row_bytes, next, std::min(n_end, next + kGroupRows), runs, side);
     for (int m = 0; m < M; m += kPrefetchRun) {
       ahead.next();
       // The widened rows are columns [0, count) of a matrix starting at row n.
@@ -193,13 +196,15 @@ int packed_thread_parts_of_bytes(int64_t bytes, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kMinBytesPerThread)));
 }
 
-void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads) {
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
+                            const SideShare &side) {
   const int N = w.rows, parts = packed_thread_parts(w, N, threads);
   // Whole groups of 12 rows: the kernels' groups of 4 (one input row) and 12 (several).
   const int step = ((N + parts - 1) / parts + 11) / 12 * 12;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int begin = std::min(N, p * step), end = std::min(N, begin + step);
-    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end);
+    SideLines lines = side.share(p, parts);
+    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end, &lines);
   });
 }
 

@@ -16,14 +16,17 @@
 #include <cstdint>
 
 #include "packed_weights.h"
+#include "side_lines.h"
 
 namespace deepinfer {
 
 // x [M, w.cols], bias [w.rows] or nullptr, y [M, w.rows]; computes the output columns
 // [n_begin, n_end) only, so callers can split them across threads (in multiples of 3 to
-// keep every group of rows whole; any split gives the same values).
+// keep every group of rows whole; any split gives the same values). `side`: lines of another
+// kernel's input to ask for meanwhile (side_lines.h; the AVX-512 paths at more than one tile
+// of input rows).
 void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
-                           int n_end);
+                           int n_end, SideLines *side = nullptr);
 
 // How many threads `rows` rows of w are worth splitting across (at most `threads`).
 int packed_thread_parts(const PackedMatrix &w, int rows, int threads);
@@ -32,8 +35,10 @@ int packed_thread_parts(const PackedMatrix &w, int rows, int threads);
 int packed_thread_parts_of_bytes(int64_t bytes, int threads);
 
 // packed_linear_columns over all of w's rows, split across up to `threads` threads of the
-// shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay).
-void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads);
+// shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay); each
+// part asks for its slice of `side`.
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
+                            const SideShare &side = {});
 
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "packed_weights.h"
+#include "side_lines.h"
 
 namespace deepinfer {
 
@@ -20,12 +21,15 @@ using PackedParts = std::vector<PackedMatrix>;
 int packed_parts_rows(const PackedParts &parts);
 
 // x [M, cols], bias [rows] or nullptr, y [M, rows]: output columns [n_begin, n_end) only, one
-// block of input rows at a time against every part's rows in that range.
+// block of input rows at a time against every part's rows in that range; `side` as
+// packed_linear_columns' (each part's kernel spreads what is left over its own steps).
 void packed_parts_columns(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int n_begin,
-                          int n_end);
+                          int n_end, SideLines *side = nullptr);
 
 // packed_parts_columns over all rows, split across up to `threads` threads of the shared pool
-// into ranges of about equal bytes (a Q6_K row holds 1.5x a Q4_K row's).
-void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int threads);
+// into ranges of about equal bytes (a Q6_K row holds 1.5x a Q4_K row's), each asking for its
+// slice of `side`.
+void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int threads,
+                           const SideShare &side = {});
 
 }  // namespace deepinfer
