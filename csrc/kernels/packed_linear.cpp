@@ -204,7 +204,7 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int begin = std::min(N, p * step), end = std::min(N, begin + step);
     SideLines lines = side.share(p, parts);
-    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end, &lines);
+    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end, side.blocks ? &lines : nullptr);
   });
 }
 

@@ -75,7 +75,7 @@ void packed_parts_threaded(const float *x, const PackedParts &parts, const float
   shared_pool(n).run(n, n, [&](int t) {
     const int begin = row_at_byte(parts, bytes * t / n), end = row_at_byte(parts, bytes * (t + 1) / n);
     SideLines lines = side.share(t, n);
-    if (begin < end) packed_parts_columns(x, parts, bias, y, M, begin, end, &lines);
+    if (begin < end) packed_parts_columns(x, parts, bias, y, M, begin, end, side.blocks ? &lines : nullptr);
   });
 }
 
