@@ -19,6 +19,7 @@ from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_bl
 from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.rotary import RotaryEmbedding, make_rotary, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
+from deepinfer_dp.utils.cpu_malloc import resident_zeros
 
 
 def head_dim(config) -> int:
@@ -55,11 +56,12 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dty
     layers = num_layers(config) if layers is None else layers
     shape = kv_cache_shape(config, num_blocks, block_size)
     if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        # One calloc for all layers (large enough to be mapped fresh): the OS hands out zeroed
-        # pages as blocks are first written, so the cache is resident only as far as it has
-        # been used; torch.zeros would write every page now. (bf16: zeroed uint16, viewed.)
+        # One allocation for all layers, resident from the start as vLLM's is: written lazily,
+        # its pages faulted in inside decode steps (a fresh engine's first two rounds of 64 bf16
+        # prompts 12-15% slower), and a cache the machine cannot hold would be found out only
+        # when it filled. (bf16: zeroed uint16, viewed.)
         np_dtype = np.float32 if dtype == torch.float32 else np.uint16
-        whole = torch.from_numpy(np.zeros((layers, 2, *shape), dtype=np_dtype)).view(dtype)
+        whole = torch.from_numpy(resident_zeros((layers, 2, *shape), np_dtype)).view(dtype)
         return [(layer[0], layer[1]) for layer in whole]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]

@@ -8,6 +8,8 @@ usual fix is LD_PRELOAD=tcmalloc; mallopt does the same for the sizes that matte
 a preload, from inside the process.
 
 Memory read whole at every step (the packed weights) is better in 2 MB pages: `advised_arena`.
+Memory written a little at every step (the KV cache) is better resident from the start:
+`resident_zeros`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
 _MADV_HUGEPAGE = 14  # linux/mman.h
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
+PAGE = 4096
 HUGE_PAGE = 2 << 20
 
 
@@ -47,15 +51,37 @@ def release_freed_memory() -> bool:
     return bool(trim(0))
 
 
-def advised_arena(nbytes: int) -> np.ndarray | None:
-    """uint8 [nbytes] starting on a 2 MB boundary and advised for transparent huge pages before
-    any page of it is touched (memory streamed at every step: one TLB entry a 2 MB page, not
-    a 4 KB one). None where libc has no madvise or the kernel refuses (no THP support)."""
+def _madvise():
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def resident_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros whose every page is resident on return. np.zeros alone maps zero pages that the OS
+    fills in as each is first written: under a KV cache that is a page fault inside a decode
+    step whenever a block is first used (zeroing 2 MB on one thread while the other waits at
+    the end of the split). MADV_POPULATE_WRITE faults them all in now without writing; where the
+    kernel lacks it (before 5.14), the zeros are written."""
+    a = np.zeros(shape, dtype=dtype)
+    start = -a.ctypes.data % PAGE
+    length = (a.nbytes - start) // PAGE * PAGE
+    madvise = _madvise()
+    if length <= 0 or madvise is None or madvise(a.ctypes.data + start, length, _MADV_POPULATE_WRITE) != 0:
+        a.reshape(-1).view(np.uint8)[:] = 0
+    return a
+
+
+def advised_arena(nbytes: int) -> np.ndarray | None:
+    """uint8 [nbytes] starting on a 2 MB boundary and advised for transparent huge pages before
+    any page of it is touched (memory streamed at every step: one TLB entry a 2 MB page, not
+    a 4 KB one). None where libc has no madvise or the kernel refuses (no THP support)."""
+    madvise = _madvise()
+    if madvise is None:
+        return None
     raw = np.empty(nbytes + HUGE_PAGE, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     arena = raw[start:start + nbytes]
