@@ -23,7 +23,7 @@ from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block, num_layers
 from deepinfer_dp.multimodal.step_inputs import MultiModalStep
 from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
+from deepinfer_dp.utils.cpu_malloc import available_memory, keep_freed_memory
 from deepinfer_dp.worker import prompt_logprobs
 
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
@@ -135,6 +135,23 @@ def check_kv_capacity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dt
         f"Use a smaller --max-model-len (max_model_len, at most {holds}), or give the KV cache more memory: {more}")
 
 
+def check_kv_memory(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, num_blocks: int) -> None:
+    """Refuses at start-up a CPU KV cache larger than the memory the machine has available: the
+    cache is made resident when it is allocated, so the OOM killer would end the process instead."""
+    if config.torch_device().type != "cpu":
+        return
+    need = kv_cache_bytes(config, kv_block_bytes(config, loaded, dtype), num_blocks)
+    available = available_memory()
+    if available is None or need <= available:
+        return
+    source = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None
+              else f"kv_cache_memory_gb={config.kv_cache_memory_gb}")
+    raise ValueError(
+        f"the KV cache needs {need / 2**30:.2f} GiB ({num_blocks} blocks from {source}) but this machine has "
+        f"{available / 2**30:.2f} GiB of memory available: give it less with --kv-cache-memory-gb "
+        f"(kv_cache_memory_gb) or --num-kv-blocks (num_kv_blocks)")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
         self.model = loaded.model
@@ -151,6 +168,7 @@ class ModelRunner:
             replace_linears(self.model)
         cache_dtype = kv_cache_dtype_for(config, loaded.hf_config)
         self.kv_groups = kv_groups(config, loaded)  # the scheduler's groups and window
+        check_kv_memory(config, loaded, cache_dtype, num_blocks)
         self.kv_caches = self._allocate_kv_cache(loaded, num_blocks, config.block_size, cache_dtype)
         self.model.bind_kv_cache(self.kv_caches)
         for attn, group in zip(attention_layers(self.model), self.kv_groups.layer_group, strict=True):

@@ -76,6 +76,28 @@ def test_llm_refuses_a_cache_smaller_than_the_context(tiny_model_dir):
         LLM(str(tiny_model_dir), kv_cache_memory_gb=1e-4, block_size=16)  # 12 KiB a block here
 
 
+def test_llm_refuses_a_cache_larger_than_the_available_memory(tiny_model_dir, monkeypatch):
+    # The CPU cache is made resident at allocation: past what the machine has, the OOM killer
+    # would end the process, so start-up refuses it by name instead.
+    from deepinfer_dp.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "available_memory", lambda: 2**20)  # 1 MiB
+    with pytest.raises(ValueError) as err:
+        LLM(str(tiny_model_dir), num_kv_blocks=600, block_size=16)
+    msg = str(err.value)
+    for part in ("(600 blocks from num_kv_blocks=600)", "0.00 GiB of memory available", "--kv-cache-memory-gb",
+                 "--num-kv-blocks"):
+        assert part in msg, msg
+    monkeypatch.setattr(model_runner, "available_memory", lambda: None)  # unknown: not refused
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=600, block_size=16)
+    try:
+        outs = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2),
+                            use_tqdm=False)
+        assert len(outs) == 1 and isinstance(outs[0], str)  # the text of its 2 tokens
+    finally:
+        llm.shutdown()
+
+
 def test_llm_refuses_what_cannot_fit_and_finishes_what_can(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), decode_sequence=False, max_model_len=32, **SMALL)
     try:
