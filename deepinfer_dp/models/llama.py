@@ -57,9 +57,8 @@ def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dty
     shape = kv_cache_shape(config, num_blocks, block_size)
     if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         # One allocation for all layers, resident from the start as vLLM's is: written lazily,
-        # its pages faulted in inside decode steps (a fresh engine's first two rounds of 64 bf16
-        # prompts 12-15% slower), and a cache the machine cannot hold would be found out only
-        # when it filled. (bf16: zeroed uint16, viewed.)
+        # its pages were faulted in inside decode steps (a fresh engine's first round of 64
+        # prompts 10-20% slower). (bf16: zeroed uint16, viewed.)
         np_dtype = np.float32 if dtype == torch.float32 else np.uint16
         whole = torch.from_numpy(resident_zeros((layers, 2, *shape), np_dtype)).view(dtype)
         return [(layer[0], layer[1]) for layer in whole]
