@@ -75,19 +75,6 @@ def resident_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return a
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel reckons can be allocated without swapping (MemAvailable), None where
-    /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def advised_arena(nbytes: int) -> np.ndarray | None:
     """uint8 [nbytes] starting on a 2 MB boundary and advised for transparent huge pages before
     any page of it is touched (memory streamed at every step: one TLB entry a 2 MB page, not

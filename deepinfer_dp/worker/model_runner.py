@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 
 from deepinfer_dp import _C
@@ -23,7 +24,7 @@ from deepinfer_dp.layers.linear import replace_linears
 from deepinfer_dp.models import LoadedModel, allocate_kv_cache, kv_cache_bytes_per_block, num_layers
 from deepinfer_dp.multimodal.step_inputs import MultiModalStep
 from deepinfer_dp.spec_decode.proposer import TargetStep
-from deepinfer_dp.utils.cpu_malloc import available_memory, keep_freed_memory
+from deepinfer_dp.utils.cpu_malloc import keep_freed_memory
 from deepinfer_dp.worker import prompt_logprobs
 
 # The scheduler's batch arrays are read-only views (it reads them back when it processes the
@@ -141,8 +142,8 @@ def check_kv_memory(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtyp
     if config.torch_device().type != "cpu":
         return
     need = kv_cache_bytes(config, kv_block_bytes(config, loaded, dtype), num_blocks)
-    available = available_memory()
-    if available is None or need <= available:
+    available = psutil.virtual_memory().available
+    if need <= available:
         return
     source = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None
               else f"kv_cache_memory_gb={config.kv_cache_memory_gb}")

@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import types
 
 import httpx
 import pytest
@@ -79,16 +80,19 @@ def test_llm_refuses_a_cache_smaller_than_the_context(tiny_model_dir):
 def test_llm_refuses_a_cache_larger_than_the_available_memory(tiny_model_dir, monkeypatch):
     # The CPU cache is made resident at allocation: past what the machine has, the OOM killer
     # would end the process, so start-up refuses it by name instead.
-    from deepinfer_dp.worker import model_runner
+    import psutil
 
-    monkeypatch.setattr(model_runner, "available_memory", lambda: 2**20)  # 1 MiB
+    def available(amount):
+        return lambda: types.SimpleNamespace(available=amount)
+
+    monkeypatch.setattr(psutil, "virtual_memory", available(2**20))  # 1 MiB
     with pytest.raises(ValueError) as err:
         LLM(str(tiny_model_dir), num_kv_blocks=600, block_size=16)
     msg = str(err.value)
     for part in ("(600 blocks from num_kv_blocks=600)", "0.00 GiB of memory available", "--kv-cache-memory-gb",
                  "--num-kv-blocks"):
         assert part in msg, msg
-    monkeypatch.setattr(model_runner, "available_memory", lambda: None)  # unknown: not refused
+    monkeypatch.setattr(psutil, "virtual_memory", available(2**40))  # enough: not refused
     llm = LLM(str(tiny_model_dir), num_kv_blocks=600, block_size=16)
     try:
         outs = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2),
