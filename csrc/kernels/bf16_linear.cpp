@@ -22,8 +22,11 @@ namespace deepinfer {
 
 namespace {
 
-constexpr int kLanes = 16;        // rows per block: one 512-bit vector of fp32 outputs
-constexpr int kTileRows = 6;      // input rows per tile from 5 rows on (4 blocks x 6 rows: 24 chains)
+constexpr int kLanes = 16;  // rows per block: one 512-bit vector of fp32 outputs
+
+// Input rows per tile of NB blocks: about 24 chains, with the NB weight vectors and a
+// broadcast input still in the 32 registers.
+constexpr int tile_rows(int NB) { return NB <= 4 ? 6 : NB <= 6 ? 4 : 3; }
 
 uint16_t flush_bf16(uint16_t h) { return (h & 0x7f80) == 0 ? static_cast<uint16_t>(h & 0x8000) : h; }
 
@@ -118,25 +121,26 @@ BF16_KERNEL void tile(const uint16_t *xb, const PackedMatrix &w, const float *bi
   }
 }
 
-// NB blocks against all M rows, kTileRows at a time (the blocks stay in cache meanwhile),
-// asking for a share of the next group's lines (`next`) every step of every tile.
+// The last `rows` (< MB + 1) input rows against NB blocks, as one tile.
+template <bool kNative, int NB, int MB>
+BF16_KERNEL void tile_rest(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int rows, int first,
+                           int n0, int n1, RowsAhead &next) {
+  if constexpr (MB > 0) {
+    if (rows == MB) return tile<kNative, NB, MB>(xb, w, bias, y, first, n0, n1, next);
+    tile_rest<kNative, NB, MB - 1>(xb, w, bias, y, rows, first, n0, n1, next);
+  }
+}
+
+// NB blocks against all M rows, tile_rows(NB) at a time (the blocks stay in cache
+// meanwhile), asking for a share of the next group's lines (`next`) every step of every tile.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_against_rows(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                      int first, int n0, int n1, RowsAhead next) {
   const size_t K = w.cols, N = w.rows;
+  constexpr int kRows = tile_rows(NB);
   int m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    tile<kNative, NB, kTileRows>(xb + m * K, w, bias, y + m * N, first, n0, n1, next);
-  const uint16_t *xm = xb + m * K;
-  float *ym = y + m * N;
-  switch (M - m) {
-    case 5: return tile<kNative, NB, 5>(xm, w, bias, ym, first, n0, n1, next);
-    case 4: return tile<kNative, NB, 4>(xm, w, bias, ym, first, n0, n1, next);
-    case 3: return tile<kNative, NB, 3>(xm, w, bias, ym, first, n0, n1, next);
-    case 2: return tile<kNative, NB, 2>(xm, w, bias, ym, first, n0, n1, next);
-    case 1: return tile<kNative, NB, 1>(xm, w, bias, ym, first, n0, n1, next);
-    default: return;
-  }
+  for (; m + kRows <= M; m += kRows) tile<kNative, NB, kRows>(xb + m * K, w, bias, y + m * N, first, n0, n1, next);
+  tile_rest<kNative, NB, kRows - 1>(xb + m * K, w, bias, y + m * N, M - m, first, n0, n1, next);
 }
 
 // The last `count` (< 8) blocks of a range, as one group (nothing of the matrix after it).
@@ -157,21 +161,25 @@ BF16_KERNEL void last_blocks(const uint16_t *xb, const PackedMatrix &w, const fl
 }
 
 // Blocks per pass: at one or two rows enough chains to cover vdpbf16ps's latency (and
-// weight streams to keep memory busy); from three rows on, 4 blocks x the tile's rows. Where
-// a group is multiplied by more than one tile of rows, the next group is read meanwhile, its
-// lines spread over every step of the group's tiles: a group (74 KB at 576 columns) is read
-// by its first tile and reused by the rest, and a share asked before each tile (~100 lines at
-// once) gained nothing. At one tile the hardware prefetcher keeps up. `side`'s lines are
-// spread over every step of every tile.
+// weight streams to keep memory busy); from three rows on, 6 blocks x 4 rows, which leave
+// fewer half-empty tiles than 4 x 6: a thread's share of SmolLM2's matrices is 18, 30 or 96
+// blocks (groups of 4 left a tile of 2 blocks), and 8 rows are two tiles of 4 (6-row tiles
+// left one of 2 rows; at 8 rows, one thread, 88-94% of the instruction's peak against 72-78%).
+// Where a group is multiplied by more than one tile of rows, the next group is read
+// meanwhile, its lines spread over every step of the group's tiles: a group (110 KB at 576
+// columns) is read by its first tile and reused by the rest, and a share asked before each
+// tile (~100 lines at once) gained nothing. At one tile the hardware prefetcher keeps up.
+// `side`'s lines are spread over every step of every tile.
 template <bool kNative, int NB>
 BF16_KERNEL void blocks_in_groups(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                   int n0, int n1, SideLines *side) {
   const int end = std::min((n1 + kLanes - 1) / kLanes * kLanes, w.rows);
   const size_t block_bytes = static_cast<size_t>(w.cols) * kLanes * sizeof(uint16_t);
-  const int tile_steps = (M + kTileRows - 1) / kTileRows * (w.cols / 2);
-  const int steps = M > kTileRows ? tile_steps : 0;
+  constexpr int kRows = tile_rows(NB);
+  const int tile_steps = (M + kRows - 1) / kRows * (w.cols / 2);
+  const int steps = M > kRows ? tile_steps : 0;
   int first = n0 / kLanes * kLanes;
-  if (side) side->spread(static_cast<int64_t>((end - first) / kLanes + NB - 1) / NB * tile_steps, NB * kTileRows / 24);
+  if (side) side->spread(static_cast<int64_t>((end - first) / kLanes + NB - 1) / NB * tile_steps, NB * kRows / 24);
   for (; first + NB * kLanes <= end; first += NB * kLanes) {
     const int next = first / kLanes + NB, next_end = steps ? std::min(end / kLanes, next + NB) : next;
     blocks_against_rows<kNative, NB>(xb, w, bias, y, M, first, n0, n1,
@@ -186,7 +194,7 @@ void simd_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, 
   switch (M) {
     case 1: return blocks_in_groups<kNative, 8>(xb, w, bias, y, M, n0, n1, side);
     case 2: return blocks_in_groups<kNative, 6>(xb, w, bias, y, M, n0, n1, side);
-    default: return blocks_in_groups<kNative, 4>(xb, w, bias, y, M, n0, n1, side);
+    default: return blocks_in_groups<kNative, 6>(xb, w, bias, y, M, n0, n1, side);
   }
 }
 
