@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_linear_avx512.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define DEEPINFER_HAVE_AVX2 1
@@ -20,6 +22,10 @@ bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
+
+// The 16-lane activations where the packed products run AVX-512 (one switch for all
+// 512-bit code: DEEPINFER_DP_PACKED_AVX512).
+bool cpu_has_avx512() { return packed_avx512_enabled(); }
 
 __attribute__((target("avx2"))) float sum_of_squares_avx2(const float *x, int h) {
   __m256 acc = _mm256_setzero_ps();
@@ -159,6 +165,54 @@ __attribute__((target("avx2"))) inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+#define FUSED_AVX512 __attribute__((target("avx512f")))
+
+// exp8 on 16 lanes: the same operations, so the same bits.
+FUSED_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                 _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+  x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), x), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// silu_mul_avx2 on 16 lanes (the activation of every MLP of a decode step: 1.9% of a 64-row
+// bf16 step's CPU on 8 lanes).
+FUSED_AVX512 int silu_mul_avx512(const float *g, const float *u, float *out, int n) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = exp16(_mm512_sub_ps(zero, gv));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
+
+FUSED_AVX512 int gelu_tanh_mul_avx512(const float *g, const float *u, float *out, int n) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  const __m512 c1 = _mm512_set1_ps(kGeluC1), c3 = _mm512_set1_ps(kGeluC3);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 z = _mm512_mul_ps(x, _mm512_add_ps(c1, _mm512_mul_ps(c3, _mm512_mul_ps(x, x))));
+    const __m512 e = exp16(_mm512_sub_ps(zero, z));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
+
 __attribute__((target("avx2"))) int silu_mul_avx2(const float *g, const float *u, float *out, int n) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   int i = 0;
@@ -248,8 +302,8 @@ void masked_argmax_rows(const float *x, int v, const int32_t *const *masks, int6
 void silu_mul(const float *g, const float *u, float *out, int n) {
   int i = 0;
 #ifdef DEEPINFER_HAVE_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) i = silu_mul_avx2(g, u, out, n);
+  if (cpu_has_avx512()) i = silu_mul_avx512(g, u, out, n);
+  if (cpu_has_avx2()) i += silu_mul_avx2(g + i, u + i, out + i, n - i);
 #endif
   for (; i < n; ++i) out[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
 }
@@ -257,8 +311,8 @@ void silu_mul(const float *g, const float *u, float *out, int n) {
 void gelu_tanh_mul(const float *g, const float *u, float *out, int n) {
   int i = 0;
 #ifdef DEEPINFER_HAVE_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) i = gelu_tanh_mul_avx2(g, u, out, n);
+  if (cpu_has_avx512()) i = gelu_tanh_mul_avx512(g, u, out, n);
+  if (cpu_has_avx2()) i += gelu_tanh_mul_avx2(g + i, u + i, out + i, n - i);
 #endif
   for (; i < n; ++i) {
     const float x = g[i], z = x * (kGeluC1 + kGeluC3 * (x * x));

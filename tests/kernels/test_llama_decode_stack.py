@@ -133,6 +133,19 @@ def test_silu_mul_is_torch_silu_times_up_within_a_few_ulp(rows, inter):
         _C.silu_mul(gate_up.numpy(), torch.empty(rows, inter + 1).numpy())
 
 
+@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+def test_activation_bits_do_not_depend_on_where_an_element_falls(act):
+    """31 = 16 + 8 + 7: the 16-lane, 8-lane and scalar code each take part of the row; every
+    element must equal the same element computed alone (inter = 1: scalar code only)."""
+    values = torch.from_numpy(f32(2, 31, seed=7) * 30)
+    values[0, :6] = torch.tensor([0.0, -0.0, 1e-30, 88.5, -88.5, 1e-3])
+    row = torch.empty(1, 31)
+    getattr(_C, act)(values.reshape(1, 62).contiguous().numpy(), row.numpy())
+    alone = torch.empty(31, 1)
+    getattr(_C, act)(values.t().contiguous().numpy(), alone.numpy())
+    assert torch.equal(row[0], alone[:, 0])
+
+
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (3, 13), (5, 64)])
 def test_gelu_tanh_mul_is_torch_tanh_gelu_times_up(rows, inter):
     """Against float64 (x * sigmoid(2 * inner), the same function without 1 + tanh's loss of
