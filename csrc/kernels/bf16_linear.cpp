@@ -358,22 +358,25 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
                         int n_end, Bf16DotPath path, SideLines *side) {
   if (M <= 0 || n_begin >= n_end) return;
   thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
-  if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) {  // whole tiles of 16 rows: the rest zeros
-    const size_t rows16 = (static_cast<size_t>(M) + 15) / 16 * 16, K = w.cols;
-    xb.resize(rows16 * K);
-    bf16_round_rows(x, M, w.cols, xb.data());
-    std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});
-    return bf16_amx_columns(xb.data(), w, bias, y, M, n_begin, n_end);
-  }
-  if (path == Bf16DotPath::kAmx) path = dot_order_path(true);  // this matrix's path without AMX: fixed per matrix
-  xb.resize(static_cast<size_t>(M) * w.cols);
+  const bool amx = path == Bf16DotPath::kAmx && w.cols % 32 == 0;
+  const size_t K = w.cols, rows = amx ? bf16_rows_padded(M) : M;
+  xb.resize(rows * K);
   bf16_round_rows(x, M, w.cols, xb.data());
+  std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});  // AMX's whole tiles
+  bf16_pairs_columns_rounded(xb.data(), w, bias, y, M, n_begin, n_end, path, side);
+}
+
+void bf16_pairs_columns_rounded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
+                                int n_begin, int n_end, Bf16DotPath path, SideLines *side) {
+  if (M <= 0 || n_begin >= n_end) return;
+  if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) return bf16_amx_columns(xb, w, bias, y, M, n_begin, n_end);
+  if (path == Bf16DotPath::kAmx) path = dot_order_path(true);  // this matrix's path without AMX: fixed per matrix
 #ifdef DEEPINFER_BF16_X86
-  if (path == Bf16DotPath::kNative) return simd_columns<true>(xb.data(), w, bias, y, M, n_begin, n_end, side);
-  if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb.data(), w, bias, y, M, n_begin, n_end, side);
-  if (path == Bf16DotPath::kWiden256) return avx2_columns(xb.data(), w, bias, y, M, n_begin, n_end);
+  if (path == Bf16DotPath::kNative) return simd_columns<true>(xb, w, bias, y, M, n_begin, n_end, side);
+  if (path == Bf16DotPath::kWiden512) return simd_columns<false>(xb, w, bias, y, M, n_begin, n_end, side);
+  if (path == Bf16DotPath::kWiden256) return avx2_columns(xb, w, bias, y, M, n_begin, n_end);
 #endif
-  scalar_columns(xb.data(), w, bias, y, M, n_begin, n_end);
+  scalar_columns(xb, w, bias, y, M, n_begin, n_end);
 }
 
 }  // namespace deepinfer

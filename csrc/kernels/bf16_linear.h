@@ -54,4 +54,14 @@ void bf16_round_rows(const float *x, int M, int cols, uint16_t *out);
 void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
                         int n_end, Bf16DotPath path, SideLines *side = nullptr);
 
+// bf16_pairs_columns on inputs already rounded (bf16_round_rows' values, xb [M, w.cols]),
+// the same floats: a caller that rounds each input row once, as it produces it, spares every
+// thread of a split product rounding all of them. On the AMX path (bf16_amx_available) xb
+// must hold bf16_rows_padded(M) rows, those past M zero.
+void bf16_pairs_columns_rounded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
+                                int n_begin, int n_end, Bf16DotPath path, SideLines *side = nullptr);
+
+// M rounded up to AMX's tile of 16 rows.
+inline int bf16_rows_padded(int M) { return (M + 15) / 16 * 16; }
+
 }  // namespace deepinfer

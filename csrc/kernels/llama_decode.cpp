@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_linear.h"
 #include "cpu_fused_ops.h"
 #include "cpu_linear.h"
 #include "packed_linear.h"
@@ -17,8 +18,19 @@ namespace deepinfer {
 
 namespace {
 
-void project(const DecodeLinear &l, const float *x, float *y, int rows, int threads, const SideShare &side = {}) {
-  if (!l.parts.empty())
+// Whether l is one bf16_pairs matrix (bf16 arithmetic): its inputs are rounded to bf16 once,
+// by the kernel that produces them, instead of by every thread of the product (1.5% of a
+// 64-row bf16 step's CPU went to that).
+bool takes_bf16(const DecodeLinear &l) {
+  return l.parts.empty() && l.matrix.data && l.matrix.format == WeightFormat::kBF16Pairs;
+}
+
+// x: the inputs; xb: the same rounded to bf16 where takes_bf16(l), else nullptr.
+void project(const DecodeLinear &l, const float *x, const uint16_t *xb, float *y, int rows, int threads,
+             const SideShare &side = {}) {
+  if (xb)
+    bf16_pairs_threaded(xb, l.matrix, l.bias, y, rows, threads, side);
+  else if (!l.parts.empty())
     packed_parts_threaded(x, l.parts, l.bias, y, rows, threads, side);
   else if (l.matrix.data)
     packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads, side);
@@ -26,9 +38,11 @@ void project(const DecodeLinear &l, const float *x, float *y, int rows, int thre
     linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);
 }
 
-// Scratch of one step, sized once.
+// Scratch of one step, sized once. normed_b and act_b: normed and act rounded to bf16, rows
+// up to AMX's tile of 16 (bf16_pairs_columns_rounded), those past T left zero.
 struct Buffers {
   std::vector<float> normed, qkv, q, attn, gate_up, act, other;
+  std::vector<uint16_t> normed_b, act_b;
   LineBlocks next_kv;  // the next layer's K/V blocks (side_lines.h)
   Buffers(const DecodeShape &s, int T)
       : normed(static_cast<size_t>(T) * s.hidden),
@@ -37,7 +51,9 @@ struct Buffers {
         attn(q.size()),
         gate_up(static_cast<size_t>(T) * 2 * s.intermediate),
         act(static_cast<size_t>(T) * s.intermediate),
-        other(normed.size()) {}
+        other(normed.size()),
+        normed_b(static_cast<size_t>(bf16_rows_padded(T)) * s.hidden),
+        act_b(static_cast<size_t>(bf16_rows_padded(T)) * s.intermediate) {}
 };
 
 // Per-head RMSNorm in place on `heads` heads of size d at x (q or k of one token row).
@@ -49,7 +65,7 @@ void norm_heads(float *x, const float *weight, int heads, int d, float eps) {
 // in the layer's KV group's slots, its RoPE table applied after any q/k norm.
 void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &step, Buffers &b, int threads) {
   const int T = step.tokens, D = s.head_dim, width = (s.heads + 2 * s.kv_heads) * D;
-  project(L.qkv, b.normed.data(), b.qkv.data(), T, threads);
+  project(L.qkv, b.normed.data(), takes_bf16(L.qkv) ? b.normed_b.data() : nullptr, b.qkv.data(), T, threads);
   const size_t q_bytes = sizeof(float) * s.heads * D, kv = static_cast<size_t>(s.kv_heads) * D;
   const size_t rope_at = static_cast<size_t>(L.rope) * T * D;
   const float *cos = step.cos + rope_at, *sin = step.sin + rope_at;
@@ -106,14 +122,18 @@ void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *o
          const LineBlocks &side) {
   const int I = s.intermediate;
   const auto act = s.act == Activation::kGeluTanh ? gelu_tanh_mul : silu_mul;
-  project(L.gate_up, b.normed.data(), b.gate_up.data(), T, threads);
+  const bool round = takes_bf16(L.down);
+  project(L.gate_up, b.normed.data(), takes_bf16(L.gate_up) ? b.normed_b.data() : nullptr, b.gate_up.data(), T,
+          threads);
   split_rows(T, threads, [&](int begin, int end) {
     for (int t = begin; t < end; ++t) {
       const float *g = b.gate_up.data() + static_cast<size_t>(t) * 2 * I;
       act(g, g + I, b.act.data() + static_cast<size_t>(t) * I, I);
     }
+    const size_t at = static_cast<size_t>(begin) * I;
+    if (round) bf16_round_rows(b.act.data() + at, end - begin, I, b.act_b.data() + at);
   });
-  project(L.down, b.act.data(), out, T, threads, SideShare{&side, 0, side.total()});
+  project(L.down, b.act.data(), round ? b.act_b.data() : nullptr, out, T, threads, SideShare{&side, 0, side.total()});
 }
 
 }  // namespace
@@ -125,10 +145,16 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
   // The residual stream lives in `res`; each sublayer writes its output into `next`, adds
   // the stream into it (rms_norm_rows' residual) and becomes the stream.
   float *res = hidden, *next = b.other.data();
-  const auto norm = [&](float *x, const float *residual, const float *weight, float eps, float *y) {
-    split_rows(T, threads, [&](int begin, int end) { rms_norm_rows(x, residual, weight, eps, y, H, begin, end); });
+  // yb: y's rows rounded to bf16 as well, for a bf16 product next (nullptr: none).
+  const auto norm = [&](float *x, const float *residual, const float *weight, float eps, float *y, uint16_t *yb) {
+    split_rows(T, threads, [&](int begin, int end) {
+      rms_norm_rows(x, residual, weight, eps, y, H, begin, end);
+      const size_t at = static_cast<size_t>(begin) * H;
+      if (yb) bf16_round_rows(y + at, end - begin, H, yb + at);
+    });
   };
-  norm(res, nullptr, layers[0].input_norm, s.eps, b.normed.data());
+  const auto normed_b = [&](const DecodeLinear &next) { return takes_bf16(next) ? b.normed_b.data() : nullptr; };
+  norm(res, nullptr, layers[0].input_norm, s.eps, b.normed.data(), normed_b(layers[0].qkv));
   // DEEPINFER_DP_KV_AHEAD=0: no asking ahead. Read at every call, so that
   // benchmarks/kv_ahead.py can compare both in one process, every other step.
   const char *ahead = std::getenv("DEEPINFER_DP_KV_AHEAD");
@@ -136,9 +162,9 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecodeLayer &L = layers[i];
     attention(s, L, step, b, threads);
-    project(L.o, b.attn.data(), next, T, threads);
-    if (L.attn_out_norm) norm(next, nullptr, L.attn_out_norm, s.eps, next);  // in place: each row read first
-    norm(next, res, L.ffn_norm, s.eps, b.normed.data());
+    project(L.o, b.attn.data(), nullptr, next, T, threads);
+    if (L.attn_out_norm) norm(next, nullptr, L.attn_out_norm, s.eps, next, nullptr);  // in place: each row read first
+    norm(next, res, L.ffn_norm, s.eps, b.normed.data(), normed_b(L.gate_up));
     std::swap(res, next);
     const bool last_layer = i + 1 == layers.size();
     if (last_layer || !ask_ahead)
@@ -146,9 +172,9 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
     else
       kv_blocks(s, layers[i + 1], step, b.next_kv);
     mlp(s, L, T, b, next, threads, b.next_kv);
-    if (L.mlp_out_norm) norm(next, nullptr, L.mlp_out_norm, s.eps, next);
+    if (L.mlp_out_norm) norm(next, nullptr, L.mlp_out_norm, s.eps, next, nullptr);
     norm(next, res, last_layer ? final_norm : layers[i + 1].input_norm, last_layer ? final_eps : s.eps,
-         last_layer ? out : b.normed.data());
+         last_layer ? out : b.normed.data(), last_layer ? nullptr : normed_b(layers[i + 1].qkv));
     std::swap(res, next);
   }
 }

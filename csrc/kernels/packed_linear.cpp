@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "bf16_linear.h"
@@ -196,15 +197,41 @@ int packed_thread_parts_of_bytes(int64_t bytes, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kMinBytesPerThread)));
 }
 
-void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
-                            const SideShare &side) {
+namespace {
+
+// w's rows split across up to `threads` threads of the shared pool in whole groups of 12 rows
+// (the kernels' groups of 4, one input row, and 12, several): fn(begin, end, lines) for each
+// part, lines its slice of `side` (nullptr: none).
+void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
+                   const std::function<void(int, int, SideLines *)> &fn) {
   const int N = w.rows, parts = packed_thread_parts(w, N, threads);
-  // Whole groups of 12 rows: the kernels' groups of 4 (one input row) and 12 (several).
   const int step = ((N + parts - 1) / parts + 11) / 12 * 12;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int begin = std::min(N, p * step), end = std::min(N, begin + step);
     SideLines lines = side.share(p, parts);
-    if (begin < end) packed_linear_columns(x, w, bias, y, M, begin, end, side.blocks ? &lines : nullptr);
+    if (begin < end) fn(begin, end, side.blocks ? &lines : nullptr);
+  });
+}
+
+}  // namespace
+
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
+                            const SideShare &side) {
+  threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
+    packed_linear_columns(x, w, bias, y, M, begin, end, lines);
+  });
+}
+
+void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
+                         const SideShare &side) {
+  const Bf16DotPath path = bf16_dot_default_path();
+  // A block of input rows in L2 at a time, as packed_linear_columns takes them; AMX takes all
+  // (a block would end inside a tile of 16 rows, which reads past it).
+  const int K = w.cols, N = w.rows, block = path == Bf16DotPath::kAmx ? std::max(M, 1) : input_row_block(K);
+  threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
+    for (int m = 0; m < M; m += block)
+      bf16_pairs_columns_rounded(xb + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,
+                                 std::min(block, M - m), begin, end, path, lines);
   });
 }
 

@@ -40,6 +40,11 @@ int packed_thread_parts_of_bytes(int64_t bytes, int threads);
 void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                             const SideShare &side = {});
 
+// packed_linear_threaded for a bf16_pairs matrix whose inputs are already rounded (xb [M,
+// w.cols], bf16_pairs_columns_rounded's conditions): the same floats, no thread rounding them.
+void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
+                         const SideShare &side = {});
+
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).
 void widen_rows(const PackedMatrix &w, int begin, int end, float *out);
