@@ -38,13 +38,14 @@ void project(const DecodeLinear &l, const float *x, const uint16_t *xb, float *y
     linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);
 }
 
-// Scratch of one step, sized once. normed_b and act_b: normed and act rounded to bf16, rows
-// up to AMX's tile of 16 (bf16_pairs_columns_rounded), those past T left zero.
+// Scratch of one step, sized once. normed_b and act_b (a model with bf16 products): normed
+// and act rounded to bf16, rows up to AMX's tile of 16 (bf16_pairs_columns_rounded), those
+// past T left zero.
 struct Buffers {
   std::vector<float> normed, qkv, q, attn, gate_up, act, other;
   std::vector<uint16_t> normed_b, act_b;
   LineBlocks next_kv;  // the next layer's K/V blocks (side_lines.h)
-  Buffers(const DecodeShape &s, int T)
+  Buffers(const DecodeShape &s, int T, bool bf16)
       : normed(static_cast<size_t>(T) * s.hidden),
         qkv(static_cast<size_t>(T) * (s.heads + 2 * s.kv_heads) * s.head_dim),
         q(static_cast<size_t>(T) * s.heads * s.head_dim),
@@ -52,8 +53,8 @@ struct Buffers {
         gate_up(static_cast<size_t>(T) * 2 * s.intermediate),
         act(static_cast<size_t>(T) * s.intermediate),
         other(normed.size()),
-        normed_b(static_cast<size_t>(bf16_rows_padded(T)) * s.hidden),
-        act_b(static_cast<size_t>(bf16_rows_padded(T)) * s.intermediate) {}
+        normed_b(bf16 ? static_cast<size_t>(bf16_rows_padded(T)) * s.hidden : 0),
+        act_b(bf16 ? static_cast<size_t>(bf16_rows_padded(T)) * s.intermediate : 0) {}
 };
 
 // Per-head RMSNorm in place on `heads` heads of size d at x (q or k of one token row).
@@ -141,7 +142,9 @@ void mlp(const DecodeShape &s, const DecodeLayer &L, int T, Buffers &b, float *o
 void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, const float *final_norm,
                   float final_eps, const DecodeStep &step, float *hidden, float *out, int threads) {
   const int T = step.tokens, H = s.hidden;
-  Buffers b(s, T);
+  Buffers b(s, T, std::any_of(layers.begin(), layers.end(), [](const DecodeLayer &L) {
+              return takes_bf16(L.qkv) || takes_bf16(L.gate_up) || takes_bf16(L.down);
+            }));
   // The residual stream lives in `res`; each sublayer writes its output into `next`, adds
   // the stream into it (rms_norm_rows' residual) and becomes the stream.
   float *res = hidden, *next = b.other.data();
