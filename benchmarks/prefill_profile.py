@@ -5,6 +5,7 @@ random token ids on the default model (SmolLM2 Q4_1), 1 new token, the default
 better than the seconds.
 
     python benchmarks/prefill_profile.py [--prompts 1] [--tokens 2000] [--rounds 2]
+        [--model DIR --dtype bfloat16]   # e.g. the peers runner's bf16 copy, computing in bf16
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a model directory (default: the default model)")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     for module in (packed, attention, linear):
         module._C = Timed(_C)
-    llm = LLM(str(default_model_path()), kv_cache_memory_gb=2.0, enable_prefix_caching=False)
+    llm = LLM(args.model or str(default_model_path()), dtype=args.dtype, kv_cache_memory_gb=2.0,
+              enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
     rng = np.random.default_rng(0)

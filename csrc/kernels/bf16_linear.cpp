@@ -358,7 +358,7 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
                         int n_end, Bf16DotPath path, SideLines *side) {
   if (M <= 0 || n_begin >= n_end) return;
   thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
-  const bool amx = path == Bf16DotPath::kAmx && w.cols % 32 == 0;
+  const bool amx = bf16_amx_multiplies(w, path);
   const size_t K = w.cols, rows = amx ? bf16_rows_padded(M) : M;
   xb.resize(rows * K);
   bf16_round_rows(x, M, w.cols, xb.data());
@@ -369,7 +369,7 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
 void bf16_pairs_columns_rounded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                 int n_begin, int n_end, Bf16DotPath path, SideLines *side) {
   if (M <= 0 || n_begin >= n_end) return;
-  if (path == Bf16DotPath::kAmx && w.cols % 32 == 0) return bf16_amx_columns(xb, w, bias, y, M, n_begin, n_end);
+  if (bf16_amx_multiplies(w, path)) return bf16_amx_columns(xb, w, bias, y, M, n_begin, n_end);
   if (path == Bf16DotPath::kAmx) path = dot_order_path(true);  // this matrix's path without AMX: fixed per matrix
 #ifdef DEEPINFER_BF16_X86
   if (path == Bf16DotPath::kNative) return simd_columns<true>(xb, w, bias, y, M, n_begin, n_end, side);

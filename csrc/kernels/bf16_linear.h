@@ -61,6 +61,12 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
 void bf16_pairs_columns_rounded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                 int n_begin, int n_end, Bf16DotPath path, SideLines *side = nullptr);
 
+// Whether `path` multiplies w on AMX tiles (AMX takes cols % 32 == 0 only; other matrices
+// go the next path down). Such a matrix reads its inputs a whole tile of 16 rows at a time.
+inline bool bf16_amx_multiplies(const PackedMatrix &w, Bf16DotPath path) {
+  return path == Bf16DotPath::kAmx && w.cols % 32 == 0;
+}
+
 // M rounded up to AMX's tile of 16 rows.
 inline int bf16_rows_padded(int M) { return (M + 15) / 16 * 16; }
 

@@ -225,9 +225,9 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side) {
   const Bf16DotPath path = bf16_dot_default_path();
-  // A block of input rows in L2 at a time, as packed_linear_columns takes them; AMX takes all
-  // (a block would end inside a tile of 16 rows, which reads past it).
-  const int K = w.cols, N = w.rows, block = path == Bf16DotPath::kAmx ? std::max(M, 1) : input_row_block(K);
+  // A block of input rows in L2 at a time, as packed_linear_columns takes them; a matrix on AMX
+  // takes all (a block would end inside a tile of 16 rows, which reads past it).
+  const int K = w.cols, N = w.rows, block = bf16_amx_multiplies(w, path) ? std::max(M, 1) : input_row_block(K);
   threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
     for (int m = 0; m < M; m += block)
       bf16_pairs_columns_rounded(xb + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,
