@@ -37,11 +37,12 @@ PROMPTS = [f"Request {i} asks about data parallel serving" for i in range(NUM_ST
 ERROR_WITHIN_S = 30.0
 BACK_WITHIN_S = 120.0
 KV_GB = 0.06  # room for every stream at once
-# Eight running a rank, the rest waiting in its queue: the storm lasts many times one stream,
-# so the kill finds rank 1 with work even when the client's loop, which shares this process
-# with the server, sees its tenth first token late (with all 100 running at once, a loaded
-# machine once saw every stream end before the kill).
-MAX_NUM_SEQS = 8
+# Two running a rank: the tiny model ends a stream of 480 tokens in a fraction of a second,
+# faster than this process sends the next ones, so with more running at once a rank held few
+# and the kill could find none. Two at a time, the rest queue on the rank, and a kill once it
+# holds QUEUED_AT_KILL leaves it seconds of work.
+MAX_NUM_SEQS = 2
+QUEUED_AT_KILL = 6
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +65,29 @@ async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) 
 
 
 async def _storm_with_kill(url: str, pid: int) -> tuple[list, float, str, float]:
-    """Ten streams have their first token (so rank 1 is mid-stream on several), then the
-    rank's process is killed while the rest are still arriving; the streams' outcomes, the
-    kill's time, and what /health showed of rank 1 (_seen_down) and when."""
+    """Rank 1's process is killed once the router counts QUEUED_AT_KILL streams on it; the
+    streams' outcomes, the kill's time, and what /health showed of rank 1 (_seen_down) and
+    when. The router's count is polled from a thread: a trigger on the client's tenth first
+    token found, on a loaded machine, every stream of rank 1 ended before the kill (this one
+    process serves and reads all 100 streams, and read their first events late)."""
     started: asyncio.Queue = asyncio.Queue()
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=200)) as http:
         tasks = [asyncio.create_task(_stream(http, p, started)) for p in PROMPTS]
-        for _ in range(10):
-            await started.get()
+        await asyncio.to_thread(_wait_for_inflight, url, 1, QUEUED_AT_KILL)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         down = await _seen_down(http)
         seen_at = time.monotonic()
         return await asyncio.gather(*tasks), killed_at, down, seen_at
+
+
+def _wait_for_inflight(url: str, rank: int, count: int, within_s: float = 60.0) -> None:
+    """Polls /health until the router counts `count` requests in flight on `rank`."""
+    deadline = time.monotonic() + within_s
+    with httpx.Client(base_url=url, timeout=within_s) as http:
+        while http.get("/health").json()["ranks"][rank]["inflight"] < count:
+            assert time.monotonic() < deadline, f"DP rank {rank} never held {count} requests within {within_s} s"
+            time.sleep(0.005)
 
 
 async def _seen_down(http: httpx.AsyncClient) -> str:
@@ -181,4 +192,10 @@ def test_killed_rank_fails_its_streams_comes_back_and_serves_again(model_dir, ex
         routed_before = _metric(srv.url, "requests_routed_total")
         assert asyncio.run(_complete_all(srv.url)) == expected
         routed_after = _metric(srv.url, "requests_routed_total")
-        assert all(routed_after[r] - routed_before.get(r, 0) == NUM_STREAMS // 2 for r in ("0", "1")), routed_after
+        wave = {r: routed_after[r] - routed_before.get(r, 0) for r in ("0", "1")}
+        print(f"second wave routed: {wave}")
+        # Both ranks take the wave, not exactly half each: the default policy (cache_aware) sends
+        # each prompt back to the rank it last went to (its first block is cached there), and
+        # where the storm and the traffic after the kill put each prompt depends on timing; its
+        # balance rule (busiest > 1.5x idlest) keeps the split near 60/40 at worst.
+        assert sum(wave.values()) == NUM_STREAMS and min(wave.values()) >= NUM_STREAMS // 4, wave
