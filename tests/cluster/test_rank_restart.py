@@ -57,11 +57,11 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-async def _stream(http: httpx.AsyncClient, prompt: str, started: asyncio.Queue) -> tuple[str, dict | None, float]:
+async def _stream(http: httpx.AsyncClient, prompt: str) -> tuple[str, dict | None, float]:
     """One streamed completion: its text, the error that ended it (an error event, or a 503 in
     OpenAI's shape before its first token), and when it ended."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    return await stream_completion(http, body, started)
+    return await stream_completion(http, body)
 
 
 async def _storm_with_kill(url: str, pid: int) -> tuple[list, float, str, float]:
@@ -70,9 +70,8 @@ async def _storm_with_kill(url: str, pid: int) -> tuple[list, float, str, float]
     when. The router's count is polled from a thread: a trigger on the client's tenth first
     token found, on a loaded machine, every stream of rank 1 ended before the kill (this one
     process serves and reads all 100 streams, and read their first events late)."""
-    started: asyncio.Queue = asyncio.Queue()
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=200)) as http:
-        tasks = [asyncio.create_task(_stream(http, p, started)) for p in PROMPTS]
+        tasks = [asyncio.create_task(_stream(http, p)) for p in PROMPTS]
         await asyncio.to_thread(_wait_for_inflight, url, 1, QUEUED_AT_KILL)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -129,8 +128,7 @@ async def _traffic_until_whole(url: str, killed_at: float) -> tuple[list[tuple[i
         async def worker(k: int) -> None:
             i = k
             while whole_at is None or time.monotonic() < whole_at + 2.0:
-                started: asyncio.Queue = asyncio.Queue()
-                text, error, _ = await _stream(http, PROMPTS[i], started)
+                text, error, _ = await _stream(http, PROMPTS[i])
                 assert error is None, error
                 results.append((i, text))
                 i = (i + 8) % NUM_STREAMS
