@@ -192,3 +192,15 @@ def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path)
 def test_bad_arguments_raise_by_name(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_engine_entry_takes_a_matrix_amx_does_not_take_in_input_blocks():
+    """48 columns (not a multiple of 32) go the vdpbf16ps order on every CPU, AMX or not; 6,000
+    rows pass one L2 input block of 48 columns (5,456 rows), so the entry splits them, and the
+    floats stay those of one direct call."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(6000, 48, generator=g), torch.randn(32, 48, generator=g)
+    pw = PackedWeight.from_bf16(w.to(torch.bfloat16)).to_bf16_pairs()
+    out = np.empty((6000, 32), dtype=np.float32)
+    _C.packed_linear(x.numpy(), pw.data, "bf16_pairs", 48, None, out, 2)
+    assert np.array_equal(out, run(x, pw.data, None, path=PATHS[0]))
