@@ -1,11 +1,12 @@
 """Where a long prefill's time goes: the wall time of each C++ kernel the model's modules call
 (`_C.packed_linear`, `_C.paged_attention`, ...) against the whole generate call, for prompts of
 random token ids on the default model (SmolLM2 Q4_1), 1 new token, the default
-(batch-invariant) settings, 2 GiB of KV cache. Wall time: on a loaded machine the shares hold
+(batch-invariant) settings or not, 2 GiB of KV cache. Wall time: on a loaded machine the shares hold
 better than the seconds.
 
     python benchmarks/prefill_profile.py [--prompts 1] [--tokens 2000] [--rounds 2]
         [--model DIR --dtype bfloat16]   # e.g. the peers runner's bf16 copy, computing in bf16
+        [--no-batch-invariant]           # long prefills in torch's SDPA, timed apart
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ SPENT: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
 
 
+def timed(name: str, f):
+    """f, its wall time added to SPENT[name] and its calls to CALLS[name]."""
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            SPENT[name] += time.perf_counter() - t
+            CALLS[name] += 1
+    return wrapper
+
+
 class Timed:
     """`_C` with every callable timed into SPENT and CALLS."""
 
@@ -32,17 +45,7 @@ class Timed:
 
     def __getattr__(self, name: str):
         f = getattr(self._module, name)
-        if not callable(f):
-            return f
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                SPENT[name] += time.perf_counter() - t
-                CALLS[name] += 1
-        return timed
+        return timed(name, f) if callable(f) else f
 
 
 def main() -> None:
@@ -52,11 +55,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="a model directory (default: the default model)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="batch_invariant=False: long prefills take torch's SDPA (timed apart)")
     args = ap.parse_args()
     for module in (packed, attention, linear):
         module._C = Timed(_C)
+    attention._causal_attention = timed("sdpa", attention._causal_attention)
+    attention._attention_with_context = timed("sdpa_with_context", attention._attention_with_context)
     llm = LLM(args.model or str(default_model_path()), dtype=args.dtype, kv_cache_memory_gb=2.0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, batch_invariant=not args.no_batch_invariant)
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
     rng = np.random.default_rng(0)
