@@ -44,7 +44,7 @@ AMX_KERNEL void configure() {
 }
 
 // The C tile's valid part into y, + bias: rows [m, min(m + 16, M)), outputs [base, base + 16) ∩ [n0, n1).
-// One masked 16-lane store a row (a scalar loop here took a quarter of the tiles' time).
+// One masked 16-lane store a row: the results leave the tile at vector width.
 AMX_KERNEL void store(const float *c, const float *bias, float *y, int N, int M, int m, int base, int n0, int n1) {
   const int lo = std::max(n0, base), hi = std::min(n1, base + kTile);
   if (lo >= hi) return;

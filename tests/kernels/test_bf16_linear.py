@@ -195,9 +195,11 @@ def test_bad_arguments_raise_by_name(call, match):
 
 
 def test_engine_entry_takes_a_matrix_amx_does_not_take_in_input_blocks():
-    """48 columns (not a multiple of 32) go the vdpbf16ps order on every CPU, AMX or not; 6,000
-    rows pass one L2 input block of 48 columns (5,456 rows), so the entry splits them, and the
-    floats stay those of one direct call."""
+    """The module path's entry (`packed_linear`): 6,000 rows pass one L2 input block of 48
+    columns (5,456 rows), so it splits them, and each block's bf16_pairs_columns sends a matrix
+    of 48 columns (not a multiple of 32) the vdpbf16ps order even where AMX is the default path
+    (bf16_amx_multiplies); the floats stay those of one direct call. (The decode stack's
+    bf16_pairs_threaded is not reached from here.)"""
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(6000, 48, generator=g), torch.randn(32, 48, generator=g)
     pw = PackedWeight.from_bf16(w.to(torch.bfloat16)).to_bf16_pairs()
