@@ -9,6 +9,7 @@
 
 #include "packed_linear_avx512.h"
 #include "paged_attention_heads.h"
+#include "paged_attention_span.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -18,6 +19,10 @@
 namespace deepinfer {
 
 namespace {
+
+using paged_span::PagedRows;
+using paged_span::QueryChunk;
+using paged_span::widen;
 
 // Inside a step the pool's workers spin between kernels, so a split pays once each thread
 // gets a few dozen cached positions per unit (one decode token of ~100 positions already).
@@ -94,38 +99,6 @@ std::vector<int> split_by_length(const std::vector<Span> &spans, const int32_t *
   return cuts;
 }
 
-// Where a sequence's position t sits in one layer's cache, for KV head 0. T is the cache's
-// element: float, or uint16_t holding bf16.
-template <class T>
-struct PagedRows {
-  const T *cache;
-  const int32_t *blocks;
-  int block_size;
-  size_t row;  // elements per cached position: num_kv_heads * head_dim
-  const T *at(int t) const {
-    return cache + (static_cast<size_t>(blocks[t / block_size]) * block_size + t % block_size) * row;
-  }
-};
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// The queries of one span, for one KV head: their heads of that KV head, outputs, contexts.
-struct QueryChunk {
-  const float *q;       // the first query's heads; query j at q + j * q_stride
-  float *out;           // likewise
-  size_t q_stride;      // floats between queries: num_heads * head_dim
-  const int32_t *lens;  // the queries' context lengths
-  int count;
-  int window;           // sliding window (0: none): query j reads [window_start(lens[j]), lens[j])
-  int heads, group;     // query heads of the unit; query head h reads KV head h / group of it
-};
-
 // Softmax of `n` scores in place.
 void softmax(float *sc, int n) {
   float denom = 0.f, mx = *std::max_element(sc, sc + n);
@@ -154,150 +127,7 @@ void attend_head_scalar(const float *q, const PagedRows<T> &k, const PagedRows<T
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DEEPINFER_HAVE_AVX2 1
-#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
-using attention_heads::hsum;
-using attention_heads::NextRows;
-using attention_heads::prefetch_share;
-using attention_heads::QueryHeads;
-
-// e^x for x <= 0 on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial;
-// within 2 ulp of libm's): the softmax of a long context takes as many exps as positions x
-// heads, and one libm call per score cost about as much as reading the cache.
-AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below that the result is ~0 either way
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-}
-
-// The largest of n scores, 8 lanes at a time (a max is exact in any order; the scalar
-// std::max_element took about a fifth of a long prefill's attention).
-AVX2_INLINE float max_of(const float *sc, int n) {
-  float mx = sc[0];
-  int t = 0;
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(sc);
-    for (t = 8; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  }
-  for (; t < n; ++t) mx = std::max(mx, sc[t]);
-  return mx;
-}
-
-// Softmax of n scores in place, 8 lanes at a time.
-__attribute__((target("avx2,fma"))) void softmax_avx2(float *sc, int n) {
-  const float mx = max_of(sc, n);
-  const __m256 m = _mm256_set1_ps(mx);
-  __m256 sum = _mm256_setzero_ps();
-  int t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
-    _mm256_storeu_ps(sc + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  float denom = hsum(sum);
-  for (; t < n; ++t) denom += (sc[t] = std::exp(sc[t] - mx));
-  const float inv = 1.f / denom;
-  for (t = 0; t < n; ++t) sc[t] *= inv;
-}
-
-// A unit's next block may sit anywhere in the cache, where the hardware prefetcher does not
-// look, and one block's loads alone keep too few misses in flight (blocks laid out in order
-// gained as much from asking ahead: benchmarks/decode_attention.py --layout): its rows are
-// asked for while this block is computed: all at once, or in `shares` shares
-// (attention_heads::prefetch_share).
-inline void prefetch_all(const NextRows &nx) {
-  const char *p = nx.at;
-  for (int i = 0; i < nx.rows; ++i, p += nx.stride)
-    for (int l = 0; l < nx.lines; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
-}
-
-template <class T>
-NextRows next_rows(const PagedRows<T> &r, int t, int n, int width, int shares) {
-  const int lines = (width * static_cast<int>(sizeof(T)) + 63) / 64;
-  const int per = (n * lines + shares - 1) / shares;
-  return NextRows{reinterpret_cast<const char *>(r.at(t)), r.row * sizeof(T), n, lines, per, 0};
-}
-
-// AVX2 path for head sizes 64, 128 and 256: the `group` query heads that share one KV head, of
-// each of the chunk's queries (consecutive queries of one sequence: a decode token alone, or
-// the tokens of a verification step or short prefill chunk), go through its positions
-// together, block by block, so each K and V row comes from memory once and is reused from L1
-// by all of them (at long contexts attention is bound by reading the cache). Each query
-// stops at its own context length, with the block-by-block split it would have alone, so its
-// floats do not depend on the queries around it. Heads (paged_attention_heads.h) does each
-// block's work: one query head at a time, or with AVX-512 up to three sharing each load.
-template <int D, class T, class Heads>
-__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const QueryChunk &c, const PagedRows<T> &k,
-                                                           const PagedRows<T> &v, float scale, float *scores) {
-  const int longest = *std::max_element(c.lens, c.lens + c.count);
-  const auto scores_of = [&](int j, int h) { return scores + (static_cast<size_t>(j) * c.heads + h) * longest; };
-  const auto heads_of = [&](int j, int t0) {
-    return QueryHeads{c.q + j * c.q_stride, scores_of(j, 0) + t0, c.out + j * c.q_stride, static_cast<size_t>(longest),
-                      c.heads, c.group, nullptr};
-  };
-  const auto first_of = [&](int j) { return window_start(c.lens[j], c.window); };
-  int lowest = first_of(0);
-  for (int j = 1; j < c.count; ++j) lowest = std::min(lowest, first_of(j));
-  const int begin = lowest / k.block_size * k.block_size;  // the block holding the first position read
-  const int width = c.heads / c.group * D;  // elements of one position's K (or V) in this unit
-  // Query j's share of the block [t0, t0 + block_size): positions [lo, lo + n), n <= 0 for none.
-  const auto share = [&](int j, int t0, int &lo) {
-    lo = std::max(t0, first_of(j));
-    return std::min(t0 + k.block_size, static_cast<int>(c.lens[j])) - lo;
-  };
-  // The next block's rows: a lone query (a decode token) hands them to Heads, which ask for
-  // them a share before each query head's pass; a span's (its later queries reuse the block
-  // from L1, so there is time) are asked for at once.
-  const bool shared = c.count == 1;
-  const auto ask = [&](NextRows next) {
-    if (shared) return next;
-    if (next.at) prefetch_all(next);
-    return NextRows{};
-  };
-  const auto with_next = [&](QueryHeads h, NextRows &next) {
-    h.next = next.at ? &next : nullptr;
-    return h;
-  };
-  for (int t0 = begin; t0 < longest; t0 += k.block_size) {
-    const T *kt = k.at(t0);
-    const int ahead = t0 + k.block_size;
-    NextRows next = ask(ahead < longest ? next_rows(k, ahead, std::min(k.block_size, longest - ahead), width, c.heads)
-                                        : next_rows(v, begin, std::min(v.block_size, longest - begin), width, c.heads));
-    for (int j = 0; j < c.count; ++j) {
-      int lo;
-      const int n = share(j, t0, lo);
-      if (n > 0)
-        Heads::template block_scores<D, T>(with_next(heads_of(j, lo), next), kt + (lo - t0) * k.row, k.row, n, scale);
-    }
-  }
-  for (int j = 0; j < c.count; ++j) {
-    for (int h = 0; h < c.heads; ++h) softmax_avx2(scores_of(j, h) + first_of(j), c.lens[j] - first_of(j));
-    std::fill(c.out + j * c.q_stride, c.out + j * c.q_stride + c.heads * D, 0.f);
-  }
-  for (int t0 = begin; t0 < longest; t0 += v.block_size) {
-    const T *vt = v.at(t0);
-    const int ahead = t0 + v.block_size;
-    NextRows next = ask(ahead < longest ? next_rows(v, ahead, std::min(v.block_size, longest - ahead), width, c.heads)
-                                        : NextRows{});
-    for (int j = 0; j < c.count; ++j) {
-      int lo;
-      const int n = share(j, t0, lo);
-      if (n > 0) Heads::template block_values<D, T>(with_next(heads_of(j, lo), next), vt + (lo - t0) * v.row, v.row, n);
-    }
-  }
-}
+using paged_span::attend_chunk_avx2;
 #endif
 
 // Attends the chunk's query heads of every query of the chunk, k/v at its first KV head;

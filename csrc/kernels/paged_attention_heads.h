@@ -3,7 +3,8 @@
 // floats: HeadsAvx2 takes one query head at a time; HeadsAvx512 (a CPU with AVX-512) takes up
 // to three query heads of one KV head together, so each K and V vector is loaded once for all
 // of them (one query head alone issues a load per multiply-add, and the loads, not the
-// multiply-adds, bound a long prefill's attention). Every score is the same chain of
+// multiply-adds, bound a long prefill's attention), and for a span's queries takes two queries
+// at once, one in each half of a 512-bit register. Every score is the same chain of
 // multiply-adds over the head's dimensions and the same horizontal tree, and every output
 // element the same chain over positions, so a query's floats do not depend on the form.
 #pragma once
@@ -122,6 +123,63 @@ DEEPINFER_ATTN_AVX512 void values(const float *const *ph, const T *vt, size_t ro
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[q] + 16 * r, acc[q][r]);
 }
 
+// _mm256_hadd_ps on each 256-bit half: per 128-bit lane [x0+x1, x2+x3, y0+y1, y2+y3].
+DEEPINFER_ATTN_AVX512 __m512 hadd512(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+// hsum8x8 on each 256-bit half, the same tree: lanes [0, 8) of the result from the low
+// halves of a[0..8), lanes [8, 16) from the high halves.
+DEEPINFER_ATTN_AVX512 __m512 hsum8x8_halves(const __m512 a[8]) {
+  const __m512 u0 = hadd512(hadd512(a[0], a[1]), hadd512(a[2], a[3]));
+  const __m512 u1 = hadd512(hadd512(a[4], a[5]), hadd512(a[6], a[7]));
+  // [low 0-3, high 0-3, low 4-7, high 4-7], then into order.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// scores<D, float, Q> for two queries at once (n a multiple of 8): query a's heads in the low
+// half of each register, b's in the high half, and each 8-dimension slice of a K row loaded
+// once, broadcast into both halves. qp[q] holds head q's D / 8 slices so paired, 16 floats
+// each (a's slice, then b's). Every lane runs scores' chain and every score its tree, so
+// the floats are scores' own, at twice the multiply-adds an instruction.
+template <int D, int Q>
+DEEPINFER_ATTN_AVX512 void pair_scores(const float *const *qp, const float *kt, size_t row, int n, float scale,
+                                       float *const *sa, float *const *sb) {
+  constexpr int R = D / 8;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < n; i += 8) {
+    __m512 acc[Q][8];
+    for (int q = 0; q < Q; ++q)
+      for (int p = 0; p < 8; ++p) acc[q][p] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 qr[Q];
+      for (int q = 0; q < Q; ++q) {
+        qr[q] = _mm512_loadu_ps(qp[q] + 16 * r);
+        asm("" : "+v"(qr[q]));  // in a register for all 8 positions (see values)
+      }
+      for (int p = 0; p < 8; ++p) {
+        const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kt + (i + p) * row + 8 * r));
+        for (int q = 0; q < Q; ++q) acc[q][p] = _mm512_fmadd_ps(qr[q], kv, acc[q][p]);
+      }
+    }
+    for (int q = 0; q < Q; ++q) {
+      const __m512 s = _mm512_mul_ps(hsum8x8_halves(acc[q]), sv);
+      _mm256_storeu_ps(sa[q] + i, _mm512_castps512_ps256(s));
+      _mm256_storeu_ps(sb[q] + i, _mm512_extractf32x8_ps(s, 1));
+    }
+  }
+}
+
+// Two queries' `heads` heads of D dimensions as pair_scores reads them, into dst (heads x 2D).
+DEEPINFER_ATTN_AVX2 void pair_queries(const float *qa, const float *qb, int heads, int dim, float *dst) {
+  for (int e = 0; e < heads * dim; e += 8, dst += 16) {
+    _mm256_storeu_ps(dst, _mm256_loadu_ps(qa + e));
+    _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(qb + e));
+  }
+}
+
 // The next block's cached rows, asked for ahead of use a share at a time: `rows` positions
 // `stride` bytes apart from `at` on, `lines` cache lines of each; `per` lines a share.
 struct NextRows {
@@ -159,6 +217,7 @@ struct QueryHeads {
 };
 
 struct HeadsAvx2 {
+  static constexpr bool kPairs = false;  // no pair_scores / pair_values
   template <int D, class T>
   __attribute__((target("avx2,fma"))) static void block_scores(const QueryHeads &h, const T *kt, size_t row, int n,
                                                                float scale) {
@@ -179,6 +238,7 @@ struct HeadsAvx2 {
 };
 
 struct HeadsAvx512 {
+  static constexpr bool kPairs = true;
   // Query heads [first, first + Q) of one KV head.
   template <int D, class T, int Q>
   DEEPINFER_ATTN_AVX512 static void tile_scores(const QueryHeads &h, int first, const T *kt, size_t row, int n,
@@ -220,6 +280,56 @@ struct HeadsAvx512 {
       for (; i + kTile <= g + h.group; i += kTile)
         prefetch_share(h.next, kTile), tile_values<D, T, kTile>(h, i, vt, row, n);
       for (; i < g + h.group; ++i) prefetch_share(h.next), tile_values<D, T, 1>(h, i, vt, row, n);
+    }
+  }
+  // Two queries' heads over the same n positions (a multiple of 8) of fp32 rows, their query
+  // vectors paired by pair_queries into qp: each head's scores are block_scores' floats for it.
+  template <int D>
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))) static void pair_scores(
+      const QueryHeads &a, const QueryHeads &b, const float *qp, const float *kt, size_t row, int n, float scale) {
+    for (int g = 0; g < a.heads; g += a.group) {
+      int i = g;
+      for (; i + 3 <= g + a.group; i += 3) pair_tile_scores<D, 3>(a, b, qp, i, kt, row, n, scale);
+      for (; i < g + a.group; ++i) pair_tile_scores<D, 1>(a, b, qp, i, kt, row, n, scale);
+    }
+  }
+  // Two queries' heads times the same n V rows: 2 x 3 heads a tile share each V vector (2 x 1
+  // at head size 128, within the registers); each output element's chain is values1's.
+  template <int D>
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))) static void pair_values(
+      const QueryHeads &a, const QueryHeads &b, const float *vt, size_t row, int n) {
+    constexpr int kTile = D <= 64 || D > 128 ? 3 : 1;
+    for (int g = 0; g < a.heads; g += a.group) {
+      int i = g;
+      for (; i + kTile <= g + a.group; i += kTile) pair_tile_values<D, kTile>(a, b, i, vt, row, n);
+      for (; i < g + a.group; ++i) pair_tile_values<D, 1>(a, b, i, vt, row, n);
+    }
+  }
+
+ private:
+  template <int D, int Q>
+  DEEPINFER_ATTN_AVX512 static void pair_tile_scores(const QueryHeads &a, const QueryHeads &b, const float *qp,
+                                                     int first, const float *kt, size_t row, int n, float scale) {
+    const float *qh[Q];
+    float *sa[Q], *sb[Q];
+    for (int q = 0; q < Q; ++q) {
+      qh[q] = qp + (first + q) * 2 * D;
+      sa[q] = a.sc + (first + q) * a.stride, sb[q] = b.sc + (first + q) * b.stride;
+    }
+    attention_heads::pair_scores<D, Q>(qh, kt + first / a.group * D, row, n, scale, sa, sb);
+  }
+  template <int D, int Q>
+  DEEPINFER_ATTN_AVX512 static void pair_tile_values(const QueryHeads &a, const QueryHeads &b, int first,
+                                                     const float *vt, size_t row, int n) {
+    constexpr int kSlice = D > 128 ? 64 : D;
+    const float *ph[2 * Q];
+    float *out[2 * Q];
+    for (int s = 0; s < D; s += kSlice) {
+      for (int q = 0; q < Q; ++q) {
+        ph[q] = a.sc + (first + q) * a.stride, out[q] = a.out + (first + q) * D + s;
+        ph[Q + q] = b.sc + (first + q) * b.stride, out[Q + q] = b.out + (first + q) * D + s;
+      }
+      values<kSlice, float, 2 * Q>(ph, vt + first / a.group * D + s, row, n, out);
     }
   }
 };

@@ -1,7 +1,8 @@
 """Long prefill attention takes queries of one sequence in spans of up to 16 (each K/V block
-read once for all of them): every query still gets the floats it gets alone, the same as with
-spans of 3 (DEEPINFER_DP_PREFILL_SPAN=3, read once per process, so in a child), on any thread
-count, and close to fp64 causal attention."""
+read once for all of them, and on AVX-512 two queries at a time in the lanes of one register):
+every query still gets the floats it gets alone, the same as with spans of 3
+(DEEPINFER_DP_PREFILL_SPAN=3, read once per process, so in a child), on any thread count, under
+a sliding window and at every head size, and close to fp64 causal attention."""
 
 from __future__ import annotations
 
@@ -69,3 +70,26 @@ def test_long_prefill_spans_match_fp64_attention():
     v_seq = torch.from_numpy(v)[torch.from_numpy(table[0]).long()].flatten(0, 1)[:600]
     expected = reference_attention(torch.from_numpy(q[:600]), k_seq, v_seq, 0.125)
     torch.testing.assert_close(out[:600], expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (4, 4, 64), (4, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_queries_paired_in_a_span_keep_their_own_floats(heads, kv_heads, head_dim, window, bf16):
+    # A chunk of 150 tokens over 41 cached ones: pairs of queries share most blocks, part of
+    # the last one, and under the window start reading at different positions of a block.
+    _, k_cache, v_cache, md = long_case([191], heads, kv_heads, head_dim)
+    if bf16:
+        k_cache, v_cache = (c.bfloat16().view(torch.uint16) for c in (k_cache, v_cache))
+    k, v, table = k_cache.numpy(), v_cache.numpy(), md.block_tables.numpy()
+    lens = np.arange(42, 192, dtype=np.int32)
+    rows = np.zeros(len(lens), np.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(5)).numpy()
+    scale = head_dim ** -0.5
+    together = np.full(q.shape, np.nan, np.float32)
+    _C.paged_attention(q, k, v, table, lens, together, scale, 1, rows, window)
+    assert not np.isnan(together).any()
+    for t in range(len(lens)):
+        alone = np.full((1, heads, head_dim), np.nan, np.float32)
+        _C.paged_attention(q[t:t + 1].copy(), k, v, table, lens[t:t + 1], alone, scale, 1, rows[t:t + 1], window)
+        assert np.array_equal(alone[0], together[t]), t
