@@ -217,6 +217,19 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
 
 void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                             const SideShare &side) {
+  if (w.format == WeightFormat::kBF16Pairs) {
+    // The inputs rounded to bf16 once, their rows split among the threads: through
+    // packed_linear_columns each thread of the product would round all of them.
+    thread_local std::vector<uint16_t> xb;
+    const size_t K = w.cols, rows = bf16_rows_padded(M);
+    xb.resize(rows * K);
+    std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});  // AMX's whole tiles
+    uint16_t *rounded = xb.data();  // (the workers' own `xb` are other vectors)
+    split_rows(M, threads, [&](int begin, int end) {
+      bf16_round_rows(x + begin * K, end - begin, w.cols, rounded + begin * K);
+    });
+    return bf16_pairs_threaded(rounded, w, bias, y, M, threads, side);
+  }
   threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
     packed_linear_columns(x, w, bias, y, M, begin, end, lines);
   });
@@ -225,9 +238,11 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side) {
   const Bf16DotPath path = bf16_dot_default_path();
-  // A block of input rows in L2 at a time, as packed_linear_columns takes them; a matrix on AMX
-  // takes all (a block would end inside a tile of 16 rows, which reads past it).
-  const int K = w.cols, N = w.rows, block = bf16_amx_multiplies(w, path) ? std::max(M, 1) : input_row_block(K);
+  // A block of input rows in L2 at a time, as packed_linear_columns takes them; on AMX whole
+  // pairs of tiles of 16 rows (a block ending inside a tile would compute the next block's rows
+  // in it too).
+  const int K = w.cols, N = w.rows, rows = input_row_block(K);
+  const int block = bf16_amx_multiplies(w, path) ? std::max(32, rows / 32 * 32) : rows;
   threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
     for (int m = 0; m < M; m += block)
       bf16_pairs_columns_rounded(xb + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,

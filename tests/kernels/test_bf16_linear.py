@@ -195,14 +195,28 @@ def test_bad_arguments_raise_by_name(call, match):
 
 
 def test_engine_entry_takes_a_matrix_amx_does_not_take_in_input_blocks():
-    """The module path's entry (`packed_linear`): 6,000 rows pass one L2 input block of 48
-    columns (5,456 rows), so it splits them, and each block's bf16_pairs_columns sends a matrix
-    of 48 columns (not a multiple of 32) the vdpbf16ps order even where AMX is the default path
-    (bf16_amx_multiplies); the floats stay those of one direct call. (The decode stack's
-    bf16_pairs_threaded is not reached from here.)"""
+    """The module path's entry (`packed_linear`, which rounds the inputs once and hands them to
+    bf16_pairs_threaded, the decode stack's entry): 6,000 rows pass one L2 input block of 48
+    columns (5,456 rows), so it splits them, and a matrix of 48 columns (not a multiple of 32)
+    takes the vdpbf16ps order even where AMX is the default path (bf16_amx_multiplies); the
+    floats stay those of one direct call."""
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(6000, 48, generator=g), torch.randn(32, 48, generator=g)
     pw = PackedWeight.from_bf16(w.to(torch.bfloat16)).to_bf16_pairs()
     out = np.empty((6000, 32), dtype=np.float32)
     _C.packed_linear(x.numpy(), pw.data, "bf16_pairs", 48, None, out, 2)
     assert np.array_equal(out, run(x, pw.data, None, path=PATHS[0]))
+
+
+def test_engine_entry_splits_rows_for_amx_in_whole_tiles():
+    """A matrix that AMX takes (576 columns) through `packed_linear` with 1,000 rows: its input
+    blocks (448 rows in L2, whole pairs of 16-row tiles) and thread split give each row the
+    floats of one direct call on the default path, whichever this CPU has."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(1000, 576, generator=g), torch.randn(64, 576, generator=g)
+    data = pairs(w)
+    want = run(x, data, None)
+    for threads in (1, 2, 3):
+        out = np.empty_like(want)
+        _C.packed_linear(x.numpy(), data, "bf16_pairs", 576, None, out, threads)
+        assert np.array_equal(out, want), threads
