@@ -98,14 +98,17 @@ DEEPINFER_ATTN_AVX2 void values1(const float *ph, const T *vt, size_t row, int n
 }
 
 // The same for Q query heads of one KV head, 16 elements a register: each element's chain is
-// values1's.
+// values1's. The positions may lie in `runs` blocks of n positions each (vts[b] block b's
+// rows, ph contiguous over all): the outputs stay in registers from one block to the next.
 template <int D, class T, int Q>
-DEEPINFER_ATTN_AVX512 void values(const float *const *ph, const T *vt, size_t row, int n, float *const *out) {
+DEEPINFER_ATTN_AVX512 void values(const float *const *ph, const T *const *vts, int runs, size_t row, int n,
+                                  float *const *out) {
   constexpr int R = D / 16;
   __m512 acc[Q][R];
   for (int q = 0; q < Q; ++q)
     for (int r = 0; r < R; ++r) acc[q][r] = _mm512_loadu_ps(out[q] + 16 * r);
-  for (int i = 0; i < n; ++i, vt += row) {
+  for (int i = 0, b = 0; b < runs; ++b)
+    for (const T *vt = vts[b], *end = vts[b] + n * row; vt != end; ++i, vt += row) {
     __m512 v[R];
     for (int r = 0; r < R; ++r) {
       v[r] = load16(vt + 16 * r);
@@ -257,7 +260,8 @@ struct HeadsAvx512 {
     float *out[Q];
     for (int s = 0; s < D; s += kSlice) {
       for (int q = 0; q < Q; ++q) ph[q] = h.sc + (first + q) * h.stride, out[q] = h.out + (first + q) * D + s;
-      values<kSlice, T, Q>(ph, vt + first / h.group * D + s, row, n, out);
+      const T *at = vt + first / h.group * D + s;
+      values<kSlice, T, Q>(ph, &at, 1, row, n, out);
     }
   }
   // Each KV head's query heads in tiles of 3 (2 at head size 128: the accumulators and the V
@@ -293,16 +297,18 @@ struct HeadsAvx512 {
       for (; i < g + a.group; ++i) pair_tile_scores<D, 1>(a, b, qp, i, kt, row, n, scale);
     }
   }
-  // Two queries' heads times the same n V rows: 2 x 3 heads a tile share each V vector (2 x 1
-  // at head size 128, within the registers); each output element's chain is values1's.
+  // Two queries' heads times the same n V rows of each of `runs` blocks (vts[r] block r's, up
+  // to kMaxRuns): 2 x 3 heads a tile share each V vector (2 x 1 at head size 128, within the
+  // registers); each output element's chain is values1's.
+  static constexpr int kMaxRuns = 4;
   template <int D>
   __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))) static void pair_values(
-      const QueryHeads &a, const QueryHeads &b, const float *vt, size_t row, int n) {
+      const QueryHeads &a, const QueryHeads &b, const float *const *vts, int runs, size_t row, int n) {
     constexpr int kTile = D <= 64 || D > 128 ? 3 : 1;
     for (int g = 0; g < a.heads; g += a.group) {
       int i = g;
-      for (; i + kTile <= g + a.group; i += kTile) pair_tile_values<D, kTile>(a, b, i, vt, row, n);
-      for (; i < g + a.group; ++i) pair_tile_values<D, 1>(a, b, i, vt, row, n);
+      for (; i + kTile <= g + a.group; i += kTile) pair_tile_values<D, kTile>(a, b, i, vts, runs, row, n);
+      for (; i < g + a.group; ++i) pair_tile_values<D, 1>(a, b, i, vts, runs, row, n);
     }
   }
 
@@ -320,16 +326,17 @@ struct HeadsAvx512 {
   }
   template <int D, int Q>
   DEEPINFER_ATTN_AVX512 static void pair_tile_values(const QueryHeads &a, const QueryHeads &b, int first,
-                                                     const float *vt, size_t row, int n) {
+                                                     const float *const *vts, int runs, size_t row, int n) {
     constexpr int kSlice = D > 128 ? 64 : D;
-    const float *ph[2 * Q];
+    const float *ph[2 * Q], *at[kMaxRuns];
     float *out[2 * Q];
     for (int s = 0; s < D; s += kSlice) {
       for (int q = 0; q < Q; ++q) {
         ph[q] = a.sc + (first + q) * a.stride, out[q] = a.out + (first + q) * D + s;
         ph[Q + q] = b.sc + (first + q) * b.stride, out[Q + q] = b.out + (first + q) * D + s;
       }
-      values<kSlice, float, 2 * Q>(ph, vt + first / a.group * D + s, row, n, out);
+      for (int r = 0; r < runs; ++r) at[r] = vts[r] + first / a.group * D + s;
+      values<kSlice, float, 2 * Q>(ph, at, runs, row, n, out);
     }
   }
 };

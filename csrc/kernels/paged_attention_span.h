@@ -117,12 +117,22 @@ class SpanPass {
     begin_ = lowest / k.block_size * k.block_size;  // the block holding the first position read
     if constexpr (Heads::kPairs) {
       if (!shared_) pair_queries();
-      if (std::is_same_v<T, uint16_t> && !shared_) wide_.resize(static_cast<size_t>(k.block_size) * width_);
+      if (std::is_same_v<T, uint16_t> && !shared_)  // values_in_runs' blocks
+        wide_.resize(static_cast<size_t>(Heads::kMaxRuns) * k.block_size * width_);
     }
   }
 
   DEEPINFER_SPAN_AVX2 void run() {
     blocks<false>();
+    softmax();
+    if constexpr (Heads::kPairs) {
+      if (!shared_) return values_in_runs();
+    }
+    blocks<true>();
+  }
+
+ private:
+  DEEPINFER_SPAN_AVX2 void softmax() {
     for (int j = 0; j < c_.count; ++j) {
       const int first = reads_.first_of(j), n = c_.lens[j] - first;
       if constexpr (Heads::kPairs)
@@ -131,10 +141,8 @@ class SpanPass {
         for (int h = 0; h < c_.heads; ++h) attention_softmax::softmax_avx2(scores_of(j, h) + first, n);
       std::fill(c_.out + j * c_.q_stride, c_.out + j * c_.q_stride + c_.heads * D, 0.f);
     }
-    blocks<true>();
   }
 
- private:
   float *scores_of(int j, int h) const { return scores_ + (static_cast<size_t>(j) * c_.heads + h) * longest_; }
 
   QueryHeads heads_of(int j, int t0, NextRows *next = nullptr) const {
@@ -172,6 +180,47 @@ class SpanPass {
         }
       block<kValues>(t0, BlockRows<T>{r.at(t0), r.row}, next);
     }
+  }
+
+  // A span's values with pairs, kMaxRuns blocks at a time: a pair that reads every position of
+  // the run goes through its blocks in one call, its outputs held in registers from block to
+  // block (each element's chain over the positions unchanged); the other queries block by
+  // block as in blocks<true>.
+  DEEPINFER_SPAN_AVX2 void values_in_runs() {
+    constexpr int kRuns = Heads::kMaxRuns;
+    const int bs = v_.block_size, span = kRuns * bs;
+    for (int t0 = begin_; t0 < longest_; t0 += span) {
+      const int runs = std::min(kRuns, (longest_ - t0 + bs - 1) / bs), ahead = t0 + span;
+      BlockRows<float> rows[kRuns];
+      const float *at[kRuns];
+      for (int b = 0; b < runs; ++b) {
+        rows[b] = rows_of(t0 + b * bs, wide_.data() + static_cast<size_t>(b) * bs * width_);
+        at[b] = rows[b].at;
+      }
+      NextRows next = ahead < longest_ ? next_rows(v_, ahead, std::min(bs, longest_ - ahead), width_, c_.count)
+                                       : NextRows{};
+      for (int j = 0; j < c_.count;) {
+        int took = 1;
+        if (j + 1 < c_.count && reads_all(j, t0, runs * bs) && reads_all(j + 1, t0, runs * bs)) {
+          Heads::template pair_values<D>(heads_of(j, t0), heads_of(j + 1, t0), at, runs, rows[0].row, bs);
+          took = 2;
+        } else {
+          for (int b = 0; b < runs; ++b) took = step<true>(j, t0 + b * bs, rows[b], next);
+        }
+        attention_heads::prefetch_share(&next, took);
+        j += took;
+      }
+    }
+  }
+
+  bool reads_all(int j, int t0, int n) const { return reads_.first_of(j) <= t0 && c_.lens[j] >= t0 + n; }
+
+  // V's block at t0 as fp32 rows: in place, or a bf16 block widened into `wide`.
+  DEEPINFER_SPAN_AVX2 BlockRows<float> rows_of(int t0, float *wide) {
+    if constexpr (std::is_same_v<T, uint16_t>)
+      return widened(v_, t0, std::min(v_.block_size, longest_ - t0), width_, wide);
+    else
+      return (void)wide, BlockRows<float>{v_.at(t0), v_.row};
   }
 
   template <bool kValues, class R>
@@ -221,7 +270,7 @@ class SpanPass {
   DEEPINFER_SPAN_AVX2 void two(int j, int lo, int m, int t0, const BlockRows<float> &rows) {
     const float *at = rows.at + (lo - t0) * rows.row;
     if constexpr (kValues)
-      Heads::template pair_values<D>(heads_of(j, lo), heads_of(j + 1, lo), at, rows.row, m);
+      Heads::template pair_values<D>(heads_of(j, lo), heads_of(j + 1, lo), &at, 1, rows.row, m);
     else
       Heads::template pair_scores<D>(heads_of(j, lo), heads_of(j + 1, lo),
                                      qpairs_.data() + static_cast<size_t>(j / 2) * c_.heads * 2 * D, at, rows.row,
