@@ -177,22 +177,24 @@ void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
   rotary_rows(xp, x.strides(0) / f, heads, D, cp, sp, 0, T);
 }
 
-py::array_t<int64_t> argmax_py(const F32 &x) {
+py::array_t<int64_t> argmax_py(const F32 &x, int num_threads) {
   need(x.ndim() == 2 && x.shape(1) > 0, "argmax", "want x [N, V] with V > 0");
+  need(num_threads >= 1, "argmax", "num_threads must be >= 1");
   const int N = dim(x, 0, "argmax"), V = dim(x, 1, "argmax");
   py::array_t<int64_t> out(N);
   int64_t *op = out.mutable_data();
   const float *xp = x.data();
   py::gil_scoped_release release;
-  argmax_rows(xp, V, op, 0, N);
+  split_rows(N, num_threads, [&](int begin, int end) { argmax_rows(xp, V, op, begin, end); });
   return out;
 }
 
 // Every row index and the mask's width are checked before the GIL is dropped: a bad call
 // raises instead of reading outside x or the bitmask.
 py::array_t<int64_t> masked_argmax_py(const F32 &x, const py::array_t<int64_t, py::array::c_style> &rows,
-                                      const I32 &bitmask) {
+                                      const I32 &bitmask, int num_threads) {
   const char *op = "masked_argmax";
+  need(num_threads >= 1, op, "num_threads must be >= 1");
   need(x.ndim() == 2 && x.shape(1) > 0, op, "want x [N, V] with V > 0");
   need(rows.ndim() == 1 && bitmask.ndim() == 2, op, "want rows [M] and bitmask [M, W]");
   const int N = dim(x, 0, op), V = dim(x, 1, op), M = dim(rows, 0, op), W = dim(bitmask, 1, op);
@@ -212,7 +214,8 @@ py::array_t<int64_t> masked_argmax_py(const F32 &x, const py::array_t<int64_t, p
   int64_t *outp = out.mutable_data();
   const float *xp = x.data();
   py::gil_scoped_release release;
-  masked_argmax_rows(xp, V, masks.data(), outp, 0, N);
+  const int32_t *const *mp = masks.data();
+  split_rows(N, num_threads, [&](int begin, int end) { masked_argmax_rows(xp, V, mp, outp, begin, end); });
   return out;
 }
 
@@ -237,14 +240,16 @@ void bind_kernels(py::module_ &m) {
   m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
         "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"
         "inside a fused qkv output) with cos/sin [T, D].");
-  m.def("argmax", &argmax_py, py::arg("x").noconvert(),
-        "Row-wise argmax of x [N, V] float32 as int64 [N] (first index on ties, first NaN if any).");
+  m.def("argmax", &argmax_py, py::arg("x").noconvert(), py::arg("num_threads") = 1,
+        "Row-wise argmax of x [N, V] float32 as int64 [N] (first index on ties, first NaN if any).\n"
+        "num_threads > 1 splits the rows.");
   m.def("masked_argmax", &masked_argmax_py, py::arg("x").noconvert(), py::arg("rows").noconvert(),
-        py::arg("bitmask").noconvert(),
+        py::arg("bitmask").noconvert(), py::arg("num_threads") = 1,
         "Row-wise argmax of x [N, V] float32 as int64 [N], where row rows[i] (int64 [M], distinct) only\n"
         "considers the tokens allowed by bitmask[i] (int32 [M, W], W * 32 >= V; bit b of word w allows\n"
         "token 32 * w + b, xgrammar's and llguidance's layout): the argmax of x with the others set to\n"
-        "-inf, ties and NaN as in argmax, without copying x. Other rows: plain argmax.");
+        "-inf, ties and NaN as in argmax, without copying x. Other rows: plain argmax. num_threads > 1\n"
+        "splits the rows.");
   m.def("paged_attention", &paged_attention_py<F32>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,

@@ -53,33 +53,57 @@ __attribute__((target("avx2"))) inline __m256 lanes_at(const float *x, const int
   return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(x + i), _mm256_castsi256_ps(on));
 }
 
-// Per-lane running maximum of y (above) and its index, then the lanes' first index among the
-// largest; rows holding a NaN are left to the scalar loop. One path for plain and masked rows,
-// so ties break identically.
+// One chain of the argmax: a per-lane running maximum of y (above) and its index.
+struct ArgmaxLanes {
+  __m256 best;
+  __m256i index;
+};
+
+// Lane by lane, the larger of two chains' values, the smaller index where they are equal:
+// what one chain over both chains' positions would hold.
+__attribute__((target("avx2"))) inline ArgmaxLanes merge_lanes(ArgmaxLanes a, ArgmaxLanes b) {
+  const __m256 gt = _mm256_cmp_ps(b.best, a.best, _CMP_GT_OQ);
+  const __m256 eq = _mm256_cmp_ps(b.best, a.best, _CMP_EQ_OQ);
+  const __m256 lower = _mm256_castsi256_ps(_mm256_cmpgt_epi32(a.index, b.index));
+  const __m256 take_b = _mm256_or_ps(gt, _mm256_and_ps(eq, lower));
+  return {_mm256_blendv_ps(a.best, b.best, take_b),
+          _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a.index), _mm256_castsi256_ps(b.index), take_b))};
+}
+
+// Folds the 8 values at i into a chain (strictly greater: the first index wins per lane).
+__attribute__((target("avx2"))) inline void step_lanes(ArgmaxLanes &c, __m256 val, int i, __m256 &nan) {
+  nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
+  const __m256 gt = _mm256_cmp_ps(val, c.best, _CMP_GT_OQ);
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  c.best = _mm256_blendv_ps(c.best, val, gt);
+  c.index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c.index), _mm256_castsi256_ps(idx), gt));
+}
+
+// The maximum of y and its first index, rows holding a NaN left to the scalar loop. Four
+// chains over interleaved groups of 8 (one chain's compare-and-blend latency bound the loop),
+// merged by value and then index, so the answer is one chain's. One path for plain and
+// masked rows, so ties break identically.
 __attribute__((target("avx2"))) bool argmax_avx2(const float *x, const int32_t *mask, int v, int64_t *out) {
   if (v < 8 || v % 8) return false;
-  __m256 best = lanes_at(x, mask, 0);
-  __m256i best_i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256i idx = best_i;
-  const __m256i eight = _mm256_set1_epi32(8);
-  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
-  for (int i = 8; i < v; i += 8) {
-    idx = _mm256_add_epi32(idx, eight);
-    const __m256 val = lanes_at(x, mask, i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(val, val, _CMP_UNORD_Q));
-    const __m256 gt = _mm256_cmp_ps(val, best, _CMP_GT_OQ);  // strictly greater: first index wins per lane
-    best = _mm256_blendv_ps(best, val, gt);
-    best_i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_i), _mm256_castsi256_ps(idx), gt));
-  }
+  ArgmaxLanes c[4];
+  for (int j = 0; j < 4; ++j) c[j] = {_mm256_set1_ps(-INFINITY), _mm256_set1_epi32(INT32_MAX)};
+  __m256 nan = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 32 <= v; i += 32)
+    for (int j = 0; j < 4; ++j) step_lanes(c[j], lanes_at(x, mask, i + 8 * j), i + 8 * j, nan);
+  for (; i < v; i += 8) step_lanes(c[0], lanes_at(x, mask, i), i, nan);
   if (_mm256_movemask_ps(nan)) return false;
+  // A lane that never beat -inf keeps INT32_MAX; the 8 lanes below then pick index 0 for a
+  // row of -inf, as the scalar loop does.
+  const ArgmaxLanes m = merge_lanes(merge_lanes(c[0], c[1]), merge_lanes(c[2], c[3]));
   alignas(32) float vals[8];
   alignas(32) int32_t ids[8];
-  _mm256_store_ps(vals, best);
-  _mm256_store_si256(reinterpret_cast<__m256i *>(ids), best_i);
+  _mm256_store_ps(vals, m.best);
+  _mm256_store_si256(reinterpret_cast<__m256i *>(ids), m.index);
   int pick = 0;
   for (int l = 1; l < 8; ++l)
     if (vals[l] > vals[pick] || (vals[l] == vals[pick] && ids[l] < ids[pick])) pick = l;
-  *out = ids[pick];
+  *out = ids[pick] == INT32_MAX ? 0 : ids[pick];
   return true;
 }
 #endif

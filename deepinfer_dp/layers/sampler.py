@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.cpu_threads import kernel_threads
 from deepinfer_dp.layers.rejection_sampler import DraftRows, verify
 from deepinfer_dp.layers.sampling_filters import apply_min_p, apply_top_k_top_p
 from deepinfer_dp.sampling_params import SamplingParams
@@ -296,9 +297,11 @@ def greedy_token_ids(logits: torch.Tensor, grammar: "GrammarMask | None" = None)
     """Each row's argmax (first index on ties); the grammar's rows only among the tokens their
     bitmask allows. CPU float32 logits go to the C++ kernels, which read them in place."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        threads = kernel_threads()
         if grammar is None:
-            return torch.from_numpy(_C.argmax(logits.numpy()))
-        return torch.from_numpy(_C.masked_argmax(logits.numpy(), grammar.rows.numpy(), grammar.bitmask.numpy()))
+            return torch.from_numpy(_C.argmax(logits.numpy(), threads))
+        return torch.from_numpy(_C.masked_argmax(logits.numpy(), grammar.rows.numpy(), grammar.bitmask.numpy(),
+                                                 threads))
     if grammar is not None:
         logits = logits.clone()
         grammar.apply(logits)

@@ -62,6 +62,24 @@ def test_argmax_matches_torch_with_ties_and_nan(vocab):
     assert torch.equal(torch.from_numpy(_C.argmax(logits.numpy())), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 40, 8])  # 40: one group of 32 and a tail of 8
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_first_index_among_many_ties_at_any_split(vocab, threads):
+    """Values from a few integers tie everywhere, so the chains that run over interleaved
+    groups of 8 must hand back the first index of the maximum, whichever chain saw it."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 4, (48, vocab), generator=g).float()
+    logits[0, :] = float("-inf")  # nothing above -inf: index 0
+    logits[1, :] = float("-inf")
+    logits[1, vocab - 1] = -1e30  # the last position alone
+    logits[2, :] = 0.0
+    logits[2, vocab - 8:] = -0.0  # -0.0 == 0.0: still index 0
+    logits[3, 24:] = 7.0  # first seen by the fourth chain
+    logits[5, vocab // 2] = float("nan")
+    got = torch.from_numpy(_C.argmax(logits.numpy(), threads))
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
 def test_fused_ops_refuse_bad_inputs():
     x, w = np.zeros((2, 8), dtype=np.float32), np.ones(8, dtype=np.float32)
     with pytest.raises(ValueError, match="rms_norm"):
@@ -78,3 +96,5 @@ def test_fused_ops_refuse_bad_inputs():
                   np.zeros((3, 8), dtype=np.float32))
     with pytest.raises(ValueError, match="argmax"):
         _C.argmax(np.zeros((2, 0), dtype=np.float32))
+    with pytest.raises(ValueError, match="num_threads"):
+        _C.argmax(np.zeros((2, 8), dtype=np.float32), 0)
