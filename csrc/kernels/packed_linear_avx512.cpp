@@ -177,14 +177,26 @@ AVX512_KERNEL void widen_pairs(const PackedMatrix &w, const int (*rows)[2], int 
   }
 }
 
-// NP buffered pairs against MB input rows: cpu_linear's tile, each chain the same.
-template <int NP, int MB>
+// A tile's share of its chains when K is taken in blocks (k_block): all of K; the first block
+// (from zeros, left in `partial`); a middle one (from `partial`, back into it); the last (from
+// `partial`, into the outputs). Taken in blocks a chain adds the same products in the same
+// order: the same floats.
+enum class Chains { kWhole, kFirst, kMiddle, kLast };
+
+// NP buffered pairs against MB input rows over k in [k0, k1): cpu_linear's tile, each chain
+// the same.
+template <int NP, int MB, Chains C>
 AVX512_KERNEL void pair_tile(const float *buf, const float *x, const int (*rows)[2], const float *bias, float *y,
-                             int N, int K) {
+                             int N, int K, int k0, int k1, float *partial) {
+  constexpr bool kFromZero = C == Chains::kWhole || C == Chains::kFirst;
+  constexpr bool kToOutputs = C == Chains::kWhole || C == Chains::kLast;
   __m512 acc[NP][MB];
   for (int p = 0; p < NP; ++p)
-    for (int j = 0; j < MB; ++j) acc[p][j] = _mm512_setzero_ps();
-  for (int k = 0; k < K; k += 8) {
+    for (int j = 0; j < MB; ++j) {
+      if constexpr (kFromZero) acc[p][j] = _mm512_setzero_ps();
+      else acc[p][j] = _mm512_load_ps(partial + 16 * (p * MB + j));
+    }
+  for (int k = k0; k < k1; k += 8) {
     __m512 wv[NP];
     for (int p = 0; p < NP; ++p) wv[p] = _mm512_load_ps(buf + static_cast<size_t>(p) * 2 * K + 2 * k);
     for (int j = 0; j < MB; ++j) {
@@ -192,32 +204,67 @@ AVX512_KERNEL void pair_tile(const float *buf, const float *x, const int (*rows)
       for (int p = 0; p < NP; ++p) acc[p][j] = _mm512_fmadd_ps(wv[p], xv, acc[p][j]);
     }
   }
-  store_tile<NP, MB>(&acc[0][0], rows, bias, y, N);
+  if constexpr (kToOutputs) {
+    store_tile<NP, MB>(&acc[0][0], rows, bias, y, N);
+  } else {
+    for (int p = 0; p < NP; ++p)
+      for (int j = 0; j < MB; ++j) _mm512_store_ps(partial + 16 * (p * MB + j), acc[p][j]);
+  }
 }
 
-// The buffered pairs against every input row, kTileInputs rows at a time (the inputs stream
-// once per group of pairs).
-template <int NP>
+// A tile's accumulators between two blocks of K.
+constexpr int kPartialFloats = kTilePairs * kTileInputs * 16;
+
+// The columns of K a block: all of K while a tile's pairs and inputs fit in L1 with room to
+// spare (K = 576: 37 KB), else equal blocks of about 32 KB of them. At K = 1536 a group's 74 KB
+// of pairs came from L2 for every tile of inputs.
+int k_block(int K) {
+  constexpr int64_t kWholeBytes = 40 << 10, kBlockBytes = 32 << 10;
+  const int64_t tile_bytes = static_cast<int64_t>(kTilePairs * 2 + kTileInputs) * sizeof(float) * K;
+  if (tile_bytes <= kWholeBytes) return K;
+  const int blocks = static_cast<int>((tile_bytes + kBlockBytes - 1) / kBlockBytes);
+  return ((K + blocks - 1) / blocks + 7) / 8 * 8;
+}
+
+// The buffered pairs against every input row over [k0, k1), kTileInputs rows at a time (the
+// inputs stream once per group of pairs and block of K); `partial`: kPartialFloats a tile.
+template <int NP, Chains C>
 AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const int (*rows)[2], const float *bias,
-                                        float *y, int M, int N, int K, RowsAhead &ahead) {
+                                        float *y, int M, int N, int K, int k0, int k1, float *partial,
+                                        RowsAhead &ahead) {
   int m = 0;
-  for (; m + kTileInputs <= M; m += kTileInputs) {
+  for (; m + kTileInputs <= M; m += kTileInputs, partial += kPartialFloats) {
     ahead.next();
-    pair_tile<NP, kTileInputs>(buf, x + static_cast<size_t>(m) * K, rows, bias, y + static_cast<size_t>(m) * N, N, K);
+    pair_tile<NP, kTileInputs, C>(buf, x + static_cast<size_t>(m) * K, rows, bias, y + static_cast<size_t>(m) * N, N,
+                                  K, k0, k1, partial);
   }
   ahead.next();
   const float *xm = x + static_cast<size_t>(m) * K;
   float *ym = y + static_cast<size_t>(m) * N;
-  switch (M - m) {
-    case 7: return pair_tile<NP, 7>(buf, xm, rows, bias, ym, N, K);
-    case 6: return pair_tile<NP, 6>(buf, xm, rows, bias, ym, N, K);
-    case 5: return pair_tile<NP, 5>(buf, xm, rows, bias, ym, N, K);
-    case 4: return pair_tile<NP, 4>(buf, xm, rows, bias, ym, N, K);
-    case 3: return pair_tile<NP, 3>(buf, xm, rows, bias, ym, N, K);
-    case 2: return pair_tile<NP, 2>(buf, xm, rows, bias, ym, N, K);
-    case 1: return pair_tile<NP, 1>(buf, xm, rows, bias, ym, N, K);
+  switch (M - m) {  // under kTileInputs rows left
+    case 3: return pair_tile<NP, 3, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
+    case 2: return pair_tile<NP, 2, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
+    case 1: return pair_tile<NP, 1, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
     default: return;
   }
+}
+
+// pairs_against_inputs over all of K, a block of k_step columns at a time: a block of pairs
+// stays in L1 while every tile of inputs passes over it.
+template <int NP>
+void pairs_over_k(const float *buf, const float *x, const int (*rows)[2], const float *bias, float *y, int M, int N,
+                  int K, int k_step, float *partial, RowsAhead &ahead) {
+  if (k_step >= K)
+    return pairs_against_inputs<NP, Chains::kWhole>(buf, x, rows, bias, y, M, N, K, 0, K, nullptr, ahead);
+  pairs_against_inputs<NP, Chains::kFirst>(buf, x, rows, bias, y, M, N, K, 0, k_step, partial, ahead);
+  int k0 = k_step;
+  for (; k0 + k_step < K; k0 += k_step)
+    pairs_against_inputs<NP, Chains::kMiddle>(buf, x, rows, bias, y, M, N, K, k0, k0 + k_step, partial, ahead);
+  pairs_against_inputs<NP, Chains::kLast>(buf, x, rows, bias, y, M, N, K, k0, K, partial, ahead);
+}
+
+float *aligned64(std::vector<float> &v) {
+  return reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
 }
 
 // The pairs of [n0, n1) against every input row, kGroupPairs pairs at a time, each group
@@ -225,15 +272,19 @@ AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const 
 template <class Widen>
 void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const float *x, const float *bias, float *y,
                       int M, int N, int K, int n0, int n1, SideLines *side) {
-  // One 64-byte-aligned buffer per thread, kept between calls: kGroupPairs pairs of K floats each.
-  thread_local std::vector<float> storage;
+  // 64-byte-aligned buffers per thread, kept between calls: kGroupPairs pairs of K floats each,
+  // and where K is taken in blocks the tiles' accumulators between blocks.
+  thread_local std::vector<float> storage, partials;
   storage.resize(static_cast<size_t>(kGroupPairs) * 2 * K + 16);
-  float *buf = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  float *buf = aligned64(storage);
+  const int k_step = k_block(K), k_blocks = (K + k_step - 1) / k_step;
+  if (k_blocks > 1) partials.resize(static_cast<size_t>(M / kTileInputs + 1) * kPartialFloats + 16);
+  float *partial = k_blocks > 1 ? aligned64(partials) : nullptr;
   int rows[kGroupPairs][2];
-  const int group_tiles = (kGroupPairs / kTilePairs + kGroupPairs % kTilePairs) * (M / kTileInputs + 1);
-  if (side)  // a call: a tile of kTilePairs x kTileInputs chains over K / 8 steps
+  const int group_tiles = (kGroupPairs / kTilePairs + kGroupPairs % kTilePairs) * (M / kTileInputs + 1) * k_blocks;
+  if (side)  // a call: a tile of kTilePairs x kTileInputs chains over a block of K, k_step / 8 steps
     side->spread(static_cast<int64_t>((n1 - n0 + 2 * kGroupPairs - 1) / (2 * kGroupPairs)) * group_tiles,
-                 kTilePairs * kTileInputs * (K / 8) / 24);
+                 kTilePairs * kTileInputs * (k_step / 8) / 24);
   for (int n = n0; n < n1; n += 2 * kGroupPairs) {
     int pairs = 0;
     for (int r = n; r < std::min(n1, n + 2 * kGroupPairs); r += 2, ++pairs) {
@@ -243,13 +294,14 @@ void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const 
     widen(rows, pairs, buf);
     // The next group arrives while this one's tiles run, a share before each tile.
     const int next = std::min(n1, n + 2 * kGroupPairs);
-    const int tiles = (pairs / kTilePairs + pairs % kTilePairs) * (M / kTileInputs + 1);
+    const int tiles = (pairs / kTilePairs + pairs % kTilePairs) * (M / kTileInputs + 1) * k_blocks;
     RowsAhead ahead(weights, row_bytes, next, std::min(n1, next + 2 * kGroupPairs), tiles, side);
     int p = 0;
     for (; p + kTilePairs <= pairs; p += kTilePairs)
-      pairs_against_inputs<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, ahead);
+      pairs_over_k<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, k_step, partial,
+                               ahead);
     for (; p < pairs; ++p)
-      pairs_against_inputs<1>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, ahead);
+      pairs_over_k<1>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, k_step, partial, ahead);
   }
 }
 

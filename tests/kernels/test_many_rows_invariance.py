@@ -116,7 +116,9 @@ def test_layers_take_the_kernels_in_batch_invariant_steps():
         assert np.array_equal(got, product(fmt, arrays[fmt], x[:rows].copy(), None, 1)), fmt
 
 
-@pytest.mark.parametrize("k", [576, 640])
+# 1536: the pair tiles take K in three blocks of 512, their chains carried from block to block;
+# 2336: in five, the last one shorter.
+@pytest.mark.parametrize("k", [576, 640, 1536, 2336])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f32"])
 def test_every_row_of_a_many_row_product_is_its_one_row_product(fmt, k):
     """All rows, not a sample, at the row counts whose tiles end in a partial group of
