@@ -241,7 +241,8 @@ AVX512_KERNEL void pairs_against_inputs(const float *buf, const float *x, const 
   ahead.next();
   const float *xm = x + static_cast<size_t>(m) * K;
   float *ym = y + static_cast<size_t>(m) * N;
-  switch (M - m) {  // under kTileInputs rows left
+  static_assert(kTileInputs <= 4, "the rows left after the whole tiles are 3 at most");
+  switch (M - m) {
     case 3: return pair_tile<NP, 3, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
     case 2: return pair_tile<NP, 2, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
     case 1: return pair_tile<NP, 1, C>(buf, xm, rows, bias, ym, N, K, k0, k1, partial);
