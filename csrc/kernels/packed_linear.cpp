@@ -162,7 +162,7 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
   if (fused_ok(w)) {
     if (packed_avx512_enabled())
       return M <= kFewRows ? packed_few_rows_avx512(x, w, bias, y, M, n_begin, n_end)
-                           : packed_many_rows_avx512(x, w, bias, y, M, n_begin, n_end, side);
+                           : packed_many_rows_avx512(x, w, bias, y, M, n_begin, n_end);
     if (M <= kFewRows) return fused_inputs(x, w, bias, y, M, n_begin, n_end);
   }
 #endif

@@ -272,7 +272,7 @@ float *aligned64(std::vector<float> &v) {
 // widened by `widen(rows, pairs, buf)` into an aligned buffer kept per thread.
 template <class Widen>
 void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const float *x, const float *bias, float *y,
-                      int M, int N, int K, int n0, int n1, SideLines *side) {
+                      int M, int N, int K, int n0, int n1) {
   // 64-byte-aligned buffers per thread, kept between calls: kGroupPairs pairs of K floats each,
   // and where K is taken in blocks the tiles' accumulators between blocks.
   thread_local std::vector<float> storage, partials;
@@ -282,10 +282,6 @@ void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const 
   if (k_blocks > 1) partials.resize(static_cast<size_t>(M / kTileInputs + 1) * kPartialFloats + 16);
   float *partial = k_blocks > 1 ? aligned64(partials) : nullptr;
   int rows[kGroupPairs][2];
-  const int group_tiles = (kGroupPairs / kTilePairs + kGroupPairs % kTilePairs) * (M / kTileInputs + 1) * k_blocks;
-  if (side)  // a call: a tile of kTilePairs x kTileInputs chains over a block of K, k_step / 8 steps
-    side->spread(static_cast<int64_t>((n1 - n0 + 2 * kGroupPairs - 1) / (2 * kGroupPairs)) * group_tiles,
-                 kTilePairs * kTileInputs * (k_step / 8) / 24);
   for (int n = n0; n < n1; n += 2 * kGroupPairs) {
     int pairs = 0;
     for (int r = n; r < std::min(n1, n + 2 * kGroupPairs); r += 2, ++pairs) {
@@ -296,7 +292,7 @@ void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const 
     // The next group arrives while this one's tiles run, a share before each tile.
     const int next = std::min(n1, n + 2 * kGroupPairs);
     const int tiles = (pairs / kTilePairs + pairs % kTilePairs) * (M / kTileInputs + 1) * k_blocks;
-    RowsAhead ahead(weights, row_bytes, next, std::min(n1, next + 2 * kGroupPairs), tiles, side);
+    RowsAhead ahead(weights, row_bytes, next, std::min(n1, next + 2 * kGroupPairs), tiles);
     int p = 0;
     for (; p + kTilePairs <= pairs; p += kTilePairs)
       pairs_over_k<kTilePairs>(buf + static_cast<size_t>(p) * 2 * K, x, rows + p, bias, y, M, N, K, k_step, partial,
@@ -307,10 +303,9 @@ void pairs_of_columns(Widen widen, const void *weights, size_t row_bytes, const 
 }
 
 template <class F>
-void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1,
-               SideLines *side) {
+void many_rows(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0, int n1) {
   const auto widen = [&w](const int (*rows)[2], int pairs, float *buf) { widen_pairs<F>(w, rows, pairs, buf); };
-  pairs_of_columns(widen, w.data, w.row_bytes, x, bias, y, M, w.rows, w.cols, n0, n1, side);
+  pairs_of_columns(widen, w.data, w.row_bytes, x, bias, y, M, w.rows, w.cols, n0, n1);
 }
 
 // fp32 weight rows "widened" by copying them into the buffer's pair layout (K % 8 == 0).
@@ -346,32 +341,32 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
 }
 
 void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
-                             int n1, SideLines *side) {
+                             int n1) {
   switch (w.format) {
-    case WeightFormat::kBF16: return many_rows<BF16>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ4_0: return many_rows<Q4_0>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ4_1: return many_rows<Q4_1>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ5_0: return many_rows<Q5_0>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ5_1: return many_rows<Q5_1>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ2_K: return many_rows<Q2_K>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ3_K: return many_rows<Q3_K>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ4_K: return many_rows<Q4_K>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ5_K: return many_rows<Q5_K>(x, w, bias, y, M, n0, n1, side);
-    case WeightFormat::kQ6_K: return many_rows<Q6_K>(x, w, bias, y, M, n0, n1, side);
+    case WeightFormat::kBF16: return many_rows<BF16>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_0: return many_rows<Q4_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_1: return many_rows<Q4_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ8_0: return many_rows<Q8_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_0: return many_rows<Q5_0>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_1: return many_rows<Q5_1>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ2_K: return many_rows<Q2_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ3_K: return many_rows<Q3_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ4_K: return many_rows<Q4_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ5_K: return many_rows<Q5_K>(x, w, bias, y, M, n0, n1);
+    case WeightFormat::kQ6_K: return many_rows<Q6_K>(x, w, bias, y, M, n0, n1);
     case WeightFormat::kBF16Pairs: return;  // bf16_pairs_columns
   }
 }
 void linear_many_rows_avx512(const float *x, const float *w, const float *bias, float *y, int M, int N, int K, int n0,
                              int n1) {
   const auto copy = [w, K](const int (*rows)[2], int pairs, float *buf) { copy_pairs(w, K, rows, pairs, buf); };
-  pairs_of_columns(copy, w, sizeof(float) * K, x, bias, y, M, N, K, n0, n1, nullptr);
+  pairs_of_columns(copy, w, sizeof(float) * K, x, bias, y, M, N, K, n0, n1);
 }
 #else
 bool packed_avx512_enabled() { return false; }
 void linear_many_rows_avx512(const float *, const float *, const float *, float *, int, int, int, int, int) {}
 void packed_few_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
-void packed_many_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int, SideLines *) {}
+void packed_many_rows_avx512(const float *, const PackedMatrix &, const float *, float *, int, int, int) {}
 #endif
 
 }  // namespace deepinfer

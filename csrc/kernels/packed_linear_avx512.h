@@ -6,7 +6,6 @@
 #pragma once
 
 #include "packed_weights.h"
-#include "side_lines.h"
 
 namespace deepinfer {
 
@@ -21,10 +20,11 @@ void packed_few_rows_avx512(const float *x, const PackedMatrix &w, const float *
                             int n1);
 
 // Any M: output columns [n0, n1) of y, in groups of weight rows widened once into an L1
-// buffer (packed_linear's buffered path) and multiplied in register tiles; `side`'s lines
-// asked for over every tile.
+// buffer (packed_linear's buffered path) and multiplied in register tiles. It asks for no
+// other kernel's input (side_lines.h): its tiles keep both FMA ports busy, and a prefetch
+// waiting for a free miss buffer stalls them (measured: docs/cpu_engine.md).
 void packed_many_rows_avx512(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
-                             int n1, SideLines *side = nullptr);
+                             int n1);
 
 // The same tiles over an fp32 weight w [N, K] (nn.Linear's layout, K % 8 == 0), its rows
 // copied into the buffer's pair layout: cpu_linear's AVX2 chains, so the same floats.
