@@ -7,9 +7,10 @@ difference. Greedy, EOS ignored.
 
 Workloads: `chat64` / `chat8`: 64 / 8 chat prompts (~40 tokens), 128 new tokens; `long16`: 16
 prompts of 2,000 random token ids, 32 new. Models as in decode_step_profile.py (default: the
-bf16 SmolLM2 copy computed in bf16; `smollm2`: the default Q4_1 model, fp32 compute).
+bf16 SmolLM2 copy computed in bf16; `smollm2`: the default Q4_1 model, fp32 compute; `gemma3`:
+the real Gemma 3 270M Q4_K_M, fp32 compute).
 
-    python benchmarks/kv_ahead.py [--model smollm2-bf16|smollm2] [--workloads chat64 chat8 long16]
+    python benchmarks/kv_ahead.py [--model smollm2-bf16|smollm2|gemma3] [--workloads chat64 chat8 long16]
         [--rounds 3]
 """
 
@@ -66,7 +67,7 @@ class Alternate:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("smollm2-bf16", "smollm2"), default="smollm2-bf16")
+    ap.add_argument("--model", choices=("smollm2-bf16", "smollm2", "gemma3"), default="smollm2-bf16")
     ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["chat64", "chat8", "long16"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
