@@ -8,7 +8,8 @@ difference. Greedy, EOS ignored.
 Workloads: `chat64` / `chat8`: 64 / 8 chat prompts (~40 tokens), 128 new tokens; `long16`: 16
 prompts of 2,000 random token ids, 32 new. Models as in decode_step_profile.py (default: the
 bf16 SmolLM2 copy computed in bf16; `smollm2`: the default Q4_1 model, fp32 compute; `gemma3`:
-the real Gemma 3 270M Q4_K_M, fp32 compute).
+the real Gemma 3 270M Q4_K_M, fp32 compute). Only the bf16 tiles ask ahead, so on the fp32 models
+on and off run the same code: their ratio is this benchmark's own noise.
 
     python benchmarks/kv_ahead.py [--model smollm2-bf16|smollm2|gemma3] [--workloads chat64 chat8 long16]
         [--rounds 3]

@@ -170,7 +170,7 @@ void llama_decode(const DecodeShape &s, const std::vector<DecodeLayer> &layers, 
     norm(next, res, L.ffn_norm, s.eps, b.normed.data(), normed_b(L.gate_up));
     std::swap(res, next);
     const bool last_layer = i + 1 == layers.size();
-    if (last_layer || !ask_ahead)
+    if (last_layer || !ask_ahead || !takes_bf16(L.down))  // only the bf16 tiles ask (side_lines.h)
       b.next_kv.starts.clear();
     else
       kv_blocks(s, layers[i + 1], step, b.next_kv);

@@ -170,16 +170,13 @@ void packed_linear_columns(const float *x, const PackedMatrix &w, const float *b
   thread_local std::vector<float> rows;
   rows.resize(static_cast<size_t>(kGroupRows) * K);
   const int runs = (M + kPrefetchRun - 1) / kPrefetchRun;
-  if (side)  // a call: a run of kPrefetchRun input rows against kGroupRows rows of K
-    side->spread(static_cast<int64_t>((n_end - n_begin + kGroupRows - 1) / kGroupRows) * runs,
-                 static_cast<int64_t>(kPrefetchRun) * kGroupRows * K / 8 / 24);
   for (int n = n_begin; n < n_end; n += kGroupRows) {
     const int count = n + kGroupRows <= n_end ? kGroupRows : n_end - n;
     for (int i = 0; i < count; ++i) widen_row(w, n + i, rows.data() + static_cast<size_t>(i) * K);
     // The next group arrives while this one runs, a share before each run of input rows; the
     // runs change no float (each output's chain is the same at any M).
     const int next = std::min(n_end, n + kGroupRows);
-    RowsAhead ahead(w.data, w.row_bytes, next, std::min(n_end, next + kGroupRows), runs, side);
+    RowsAhead ahead(w.data, w.row_bytes, next, std::min(n_end, next + kGroupRows), runs);
     for (int m = 0; m < M; m += kPrefetchRun) {
       ahead.next();
       // The widened rows are columns [0, count) of a matrix starting at row n.

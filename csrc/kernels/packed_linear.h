@@ -23,8 +23,8 @@ namespace deepinfer {
 // x [M, w.cols], bias [w.rows] or nullptr, y [M, w.rows]; computes the output columns
 // [n_begin, n_end) only, so callers can split them across threads (in multiples of 3 to
 // keep every group of rows whole; any split gives the same values). `side`: lines of another
-// kernel's input to ask for meanwhile (side_lines.h): the bf16 kernels on AVX-512 and the
-// buffered paths past 8 input rows ask for them, the fused paths of up to 8 do not.
+// kernel's input to ask for meanwhile (side_lines.h): only the bf16 kernels ask for them; the
+// fp32-arithmetic paths do not (asked from their buffered tiles, the lines stalled them).
 void packed_linear_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
                            int n_end, SideLines *side = nullptr);
 

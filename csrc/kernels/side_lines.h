@@ -4,10 +4,10 @@
 // layer before last touched them a whole step ago. Read in the attention itself they make it
 // wait on memory, while the MLP's matrix products before it keep the memory bus nearly idle.
 // So the MLP's down projection asks for the next layer's blocks, a line at a time from the
-// steps of its own loops (RowsAhead::next), and the attention finds them in L2 or L3: in the
-// bf16 tiles and the AVX2 buffered path. The AVX-512 buffered pair tiles
-// (fp32 arithmetic at 9+ rows) take none: there the prefetches stalled the tiles for more than
-// the attention gained. A prefetch changes no float.
+// steps of its own loops (RowsAhead::next), and the attention finds them in L2 or L3. Only
+// the bf16 tiles ask: in the fp32-arithmetic tiles (AVX-512 pairs, the AVX2 buffered path)
+// the prefetches stalled the tiles for more than the attention gained. A prefetch changes no
+// float.
 #pragma once
 
 #include <algorithm>
