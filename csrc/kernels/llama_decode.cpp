@@ -31,7 +31,7 @@ void project(const DecodeLinear &l, const float *x, const uint16_t *xb, float *y
   if (xb)
     bf16_pairs_threaded(xb, l.matrix, l.bias, y, rows, threads, side);
   else if (!l.parts.empty())
-    packed_parts_threaded(x, l.parts, l.bias, y, rows, threads, side);
+    packed_parts_threaded(x, l.parts, l.bias, y, rows, threads);
   else if (l.matrix.data)
     packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads, side);
   else

@@ -15,10 +15,10 @@ namespace {
 // bias[n], so the part's view takes the whole matrix's row count as that stride, and y and
 // bias start at the part's first row.
 void part_columns(const float *x, const PackedMatrix &part, int first, int rows, const float *bias, float *y, int M,
-                  int b, int e, SideLines *side) {
+                  int b, int e) {
   PackedMatrix view = part;
   view.rows = rows;
-  packed_linear_columns(x, view, bias ? bias + first : nullptr, y + first, M, b, e, side);
+  packed_linear_columns(x, view, bias ? bias + first : nullptr, y + first, M, b, e);
 }
 
 int64_t parts_bytes(const PackedParts &parts) {
@@ -52,7 +52,7 @@ int packed_parts_rows(const PackedParts &parts) {
 }
 
 void packed_parts_columns(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int n_begin,
-                          int n_end, SideLines *side) {
+                          int n_end) {
   if (parts.empty()) return;
   const int K = parts[0].cols, N = packed_parts_rows(parts), block = input_row_block(K);
   for (int m = 0; m < M; m += block) {  // one block of inputs stays in L2 while every part passes over it
@@ -62,20 +62,19 @@ void packed_parts_columns(const float *x, const PackedParts &parts, const float 
     int first = 0;
     for (const auto &p : parts) {
       const int b = std::max(n_begin, first), e = std::min(n_end, first + p.rows);
-      if (b < e) part_columns(xm, p, first, N, bias, ym, rows, b - first, e - first, side);
+      if (b < e) part_columns(xm, p, first, N, bias, ym, rows, b - first, e - first);
       first += p.rows;
     }
   }
 }
 
-void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int threads,
-                           const SideShare &side) {
+void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M,
+                           int threads) {
   const int64_t bytes = parts_bytes(parts);
   const int n = packed_thread_parts_of_bytes(bytes, threads);
   shared_pool(n).run(n, n, [&](int t) {
     const int begin = row_at_byte(parts, bytes * t / n), end = row_at_byte(parts, bytes * (t + 1) / n);
-    SideLines lines = side.share(t, n);
-    if (begin < end) packed_parts_columns(x, parts, bias, y, M, begin, end, side.blocks ? &lines : nullptr);
+    if (begin < end) packed_parts_columns(x, parts, bias, y, M, begin, end);
   });
 }
 

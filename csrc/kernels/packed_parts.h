@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "packed_weights.h"
-#include "side_lines.h"
 
 namespace deepinfer {
 
@@ -21,15 +20,13 @@ using PackedParts = std::vector<PackedMatrix>;
 int packed_parts_rows(const PackedParts &parts);
 
 // x [M, cols], bias [rows] or nullptr, y [M, rows]: output columns [n_begin, n_end) only, one
-// block of input rows at a time against every part's rows in that range; `side` as
-// packed_linear_columns' (each part's kernel spreads what is left over its own steps).
+// block of input rows at a time against every part's rows in that range. No part is bf16
+// arithmetic, so none asks for another kernel's lines (side_lines.h).
 void packed_parts_columns(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int n_begin,
-                          int n_end, SideLines *side = nullptr);
+                          int n_end);
 
 // packed_parts_columns over all rows, split across up to `threads` threads of the shared pool
-// into ranges of about equal bytes (a Q6_K row holds 1.5x a Q4_K row's), each asking for its
-// slice of `side`.
-void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int threads,
-                           const SideShare &side = {});
+// into ranges of about equal bytes (a Q6_K row holds 1.5x a Q4_K row's).
+void packed_parts_threaded(const float *x, const PackedParts &parts, const float *bias, float *y, int M, int threads);
 
 }  // namespace deepinfer
