@@ -3,10 +3,10 @@ fast the machine streams memory on the same threads.
 
 Runs `_C.packed_linear` with one input row over SmolLM2's layer matrices in Q4_1 (the default
 model's format) and over its Q8_0 lm_head, and prints GB/s of weights read: a matrix that stays
-in L2 (gate_up, 1.1 MB, repeated), all 30 layers (66 MB, from memory), the lm_head (30 MB),
+in L2 (gate_up, 1.1 MB, repeated), all 30 layers (66 MB, far past L2), the lm_head (30 MB),
 each on 1 and 2 threads, next to torch's sum over 512 MB on as many threads (the peers runner's
-read ceiling). Where the L2 and from-memory rates agree, the kernel's instructions bound it,
-not the memory; the gap to the streaming sum is what a faster kernel could still take.
+read ceiling). Where the rates in L2 and past it agree, the kernel's instructions bound it, not
+the memory; the gap to the streaming sum is what a faster kernel could still take.
 
     python benchmarks/one_row_rate.py [--rounds 20]
 """
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     all_layers = layers(30)
-    cases = {"Q4_1 in L2 (gate_up x 60)": [all_layers[2]] * 60, "Q4_1, 30 layers": all_layers,
+    cases = {"Q4_1 in L2 (gate_up x 60)": [all_layers[2]] * 60, "Q4_1, 30 layers (past L2)": all_layers,
              "Q8_0 lm_head": [lm_head()]}
     for threads in (1, 2):
         stream = read_gbs(threads)
