@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, quants
 
 from deepinfer_dp import _C
@@ -62,7 +61,6 @@ def main() -> None:
         for name, mats in cases.items():
             rate = gbs(mats, threads, args.rounds)
             print(f"  {name:<28} {rate:5.1f} GB/s  ({rate / stream:.0%} of the sum)")
-    torch.set_num_threads(2)
 
 
 if __name__ == "__main__":
