@@ -25,7 +25,8 @@ bool takes_bf16(const DecodeLinear &l) {
   return l.parts.empty() && l.matrix.data && l.matrix.format == WeightFormat::kBF16Pairs;
 }
 
-// x: the inputs; xb: the same rounded to bf16 where takes_bf16(l), else nullptr.
+// x: the inputs; xb: the same rounded to bf16 where takes_bf16(l), else nullptr. Only the bf16
+// kernel reads `side` (side_lines.h).
 void project(const DecodeLinear &l, const float *x, const uint16_t *xb, float *y, int rows, int threads,
              const SideShare &side = {}) {
   if (xb)
@@ -33,7 +34,7 @@ void project(const DecodeLinear &l, const float *x, const uint16_t *xb, float *y
   else if (!l.parts.empty())
     packed_parts_threaded(x, l.parts, l.bias, y, rows, threads);
   else if (l.matrix.data)
-    packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads, side);
+    packed_linear_threaded(x, l.matrix, l.bias, y, rows, threads);
   else
     linear_threaded(x, l.weight, l.bias, y, rows, l.out, l.in, threads);
 }

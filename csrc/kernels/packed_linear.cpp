@@ -212,8 +212,7 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
 
 }  // namespace
 
-void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
-                            const SideShare &side) {
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads) {
   if (w.format == WeightFormat::kBF16Pairs) {
     // The inputs rounded to bf16 once, their rows split among the threads: through
     // packed_linear_columns each thread of the product would round all of them.
@@ -225,10 +224,10 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
     split_rows(M, threads, [&](int begin, int end) {
       bf16_round_rows(x + begin * K, end - begin, w.cols, rounded + begin * K);
     });
-    return bf16_pairs_threaded(rounded, w, bias, y, M, threads, side);
+    return bf16_pairs_threaded(rounded, w, bias, y, M, threads);
   }
-  threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
-    packed_linear_columns(x, w, bias, y, M, begin, end, lines);
+  threaded_rows(w, threads, {}, [&](int begin, int end, SideLines *) {
+    packed_linear_columns(x, w, bias, y, M, begin, end);
   });
 }
 

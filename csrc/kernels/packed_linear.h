@@ -35,10 +35,10 @@ int packed_thread_parts(const PackedMatrix &w, int rows, int threads);
 int packed_thread_parts_of_bytes(int64_t bytes, int threads);
 
 // packed_linear_columns over all of w's rows, split across up to `threads` threads of the
-// shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay); each
-// part asks for its slice of `side`.
-void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
-                            const SideShare &side = {});
+// shared pool in whole groups of 12 rows (one thread when the matrix is too small to pay). It
+// asks for no other kernel's lines: a caller with lines for a bf16_pairs matrix calls
+// bf16_pairs_threaded.
+void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads);
 
 // packed_linear_threaded for a bf16_pairs matrix whose inputs are already rounded (xb [M,
 // w.cols], bf16_pairs_columns_rounded's conditions): the same floats, no thread rounding them.
