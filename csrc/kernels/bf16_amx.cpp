@@ -33,16 +33,6 @@ struct alignas(64) TileConfig {
 
 #define AMX_KERNEL __attribute__((target("amx-tile,amx-bf16,avx512f")))
 
-// Tiles 0-3: C (2 row tiles x 2 blocks); 4-5: A (the row tiles); 6-7: B (the blocks).
-AMX_KERNEL void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kTile;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
 // The C tile's valid part into y, + bias: rows [m, min(m + 16, M)), outputs [base, base + 16) ∩ [n0, n1).
 // One masked 16-lane store a row: the results leave the tile at vector width.
 AMX_KERNEL void store(const float *c, const float *bias, float *y, int N, int M, int m, int base, int n0, int n1) {
@@ -97,6 +87,15 @@ AMX_KERNEL void two_by_two(const uint16_t *xb, const PackedMatrix &w, const floa
 
 }  // namespace
 
+AMX_KERNEL void amx_configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTile;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
 bool bf16_amx_available() {
   static const bool ok = [] {
     const char *env = std::getenv("DEEPINFER_DP_BF16_AMX");
@@ -110,7 +109,7 @@ bool bf16_amx_available() {
 
 AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                  int n0, int n1) {
-  configure();
+  amx_configure_tiles();  // tiles 0-3: C (2 row tiles x 2 blocks); 4-5: A (the row tiles); 6-7: B (the blocks)
   const int first = n0 / kTile, end = (n1 + kTile - 1) / kTile;
   for (int b = first; b < end; b += 2) {  // two blocks' B tiles stay in L1 over all the rows
     const int b1 = std::min(b + 1, end - 1);
@@ -119,6 +118,7 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
   _tile_release();
 }
 #else
+void amx_configure_tiles() {}
 bool bf16_amx_available() { return false; }
 void bf16_amx_columns(const uint16_t *, const PackedMatrix &, const float *, float *, int, int, int) {}
 #endif

@@ -21,6 +21,10 @@ namespace deepinfer {
 // DEEPINFER_DP_BF16_AMX is not "0" and AVX-512 is on: packed_avx512_enabled). Asked once.
 bool bf16_amx_available();
 
+// Loads the tile configuration of this file's kernel and of paged_attention_amx.cpp on the
+// calling thread: tiles 0-7 of 16 rows x 64 bytes. Only where bf16_amx_available().
+void amx_configure_tiles();
+
 // y[m, n] for n in [n0, n1) (any bounds) of rounded inputs xb [M16, w.cols] bf16, M16 = M
 // rounded up to 16 with zero rows; w.cols % 32 == 0.
 void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0,

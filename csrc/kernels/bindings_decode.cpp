@@ -79,7 +79,7 @@ class DecodeStack {
   // One K and one V cache per layer, each [num_blocks, block_size, kv_heads, head_dim]: float32,
   // or bf16 viewed as uint16 (kv_cache_dtype), the same in every layer. Checked as given, never
   // converted: the step writes into them.
-  void set_caches(const std::vector<py::array> &k, const std::vector<py::array> &v) {
+  void set_caches(const std::vector<py::array> &k, const std::vector<py::array> &v, bool bf16_attention) {
     need(!layers_.empty() && k.size() == layers_.size() && v.size() == layers_.size(), "one K and V cache per layer");
     const bool bf16 = k[0].dtype().is(py::dtype::of<uint16_t>());
     need(bf16 || k[0].dtype().is(py::dtype::of<float>()), "caches must be float32, or bf16 viewed as uint16");
@@ -97,6 +97,7 @@ class DecodeStack {
     shape_.num_blocks = static_cast<int>(k[0].shape(0));
     shape_.block_size = static_cast<int>(k[0].shape(1));
     shape_.kv_dtype = bf16 ? KvDtype::kBF16 : KvDtype::kF32;
+    shape_.bf16_attention = bf16_attention;
     caches_ = {k, v};
     caches_bound_ = true;
   }
@@ -256,7 +257,8 @@ void bind_decode(py::module_ &m) {
            py::arg("window") = 0, py::kw_only(), py::arg("attn_out_norm").noconvert() = py::none(),
            py::arg("mlp_out_norm").noconvert() = py::none(), py::arg("q_norm").noconvert() = py::none(),
            py::arg("k_norm").noconvert() = py::none(), py::arg("rope") = 0, py::arg("group") = 0)
-      .def("set_caches", &DecodeStack::set_caches, py::arg("k_caches"), py::arg("v_caches"))
+      .def("set_caches", &DecodeStack::set_caches, py::arg("k_caches"), py::arg("v_caches"),
+           py::arg("bf16_attention") = false)
       .def("run", &DecodeStack::run, py::arg("embeddings").noconvert(), py::arg("cos").noconvert(),
            py::arg("sin").noconvert(), py::arg("slots").noconvert(), py::arg("block_tables").noconvert(),
            py::arg("context_lens").noconvert(), py::arg("query_rows").noconvert() = py::none(), py::arg("threads") = 1,

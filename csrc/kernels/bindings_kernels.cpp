@@ -15,6 +15,7 @@
 #include "cpu_fused_ops.h"
 #include "cpu_linear.h"
 #include "paged_attention.h"
+#include "paged_attention_amx.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -73,8 +74,9 @@ PagedAttentionShape check_shapes(const F32 &q, const Cache &k_cache, const Cache
 template <class Cache>
 void paged_attention_py(const F32 &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
                         const I32 &context_lens, F32 &out, float scale, int num_threads,
-                        const std::optional<I32> &query_rows, int window) {
+                        const std::optional<I32> &query_rows, int window, bool bf16_math) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
+  s.bf16_math = bf16_math;
   require(num_threads >= 1, "num_threads must be >= 1");
   require(window >= 0, "window must be >= 0 (0: no sliding window)");
   s.window = window;
@@ -253,19 +255,26 @@ void bind_kernels(py::module_ &m) {
   m.def("paged_attention", &paged_attention_py<F32>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
-        py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0,
+        py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0, py::arg("bf16_math") = false,
         "Attention of each query row over its own context, read in place from the paged KV cache.\n"
         "q/out [T, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
         "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
         "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous.\n"
         "num_threads > 1 splits the queries across that many threads (the caller's and the pool's).\n"
-        "window > 0: each query sees only its last `window` positions (a sliding window).");
+        "window > 0: each query sees only its last `window` positions (a sliding window).\n"
+        "bf16_math: with a bf16 cache, bf16 arithmetic on AMX tiles where the CPU has them (dtype=bfloat16).");
   m.def("paged_attention", &paged_attention_py<U16>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
-        py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0,
+        py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0, py::arg("bf16_math") = false,
         "The same over bf16 caches, viewed as uint16 (kv_cache_dtype=bfloat16): each element widened\n"
         "exactly to fp32 as it is read.");
+  m.def("bf16_attention_amx", [](int head_dim) {
+        PagedAttentionShape s{};
+        s.head_dim = head_dim;
+        return paged_attention_amx_fits(s);
+      }, py::arg("head_dim"),
+        "Whether paged_attention's bf16_math runs on AMX tiles here for this head size (else it widens to fp32).");
   m.def("linear", &linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
         py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]), float32, C-contiguous; for the small M of decode\n"

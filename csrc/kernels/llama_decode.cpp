@@ -89,7 +89,7 @@ void attention(const DecodeShape &s, const DecodeLayer &L, const DecodeStep &ste
     }
   });
   const PagedAttentionShape ps{T, step.num_rows, s.heads, s.kv_heads, D, s.block_size, step.max_blocks,
-                               s.num_blocks, L.window};
+                               s.num_blocks, L.window, s.bf16_attention};
   paged_attention_threaded(ps, b.q.data(), L.k_cache, L.v_cache, s.kv_dtype, tables, step.query_rows,
                            step.context_lens, L.scale, b.attn.data(), threads);
 }

@@ -57,6 +57,7 @@ struct DecodeShape {
   KvDtype kv_dtype;            // likewise
   float eps;                   // the layers' RMSNorm epsilon (q/k norms included)
   Activation act;
+  bool bf16_attention = false;  // attention in bf16 arithmetic (PagedAttentionShape::bf16_math)
 };
 
 // One step's tokens: T rows, each with its RoPE rows, its cache slot per KV group, and its

@@ -33,6 +33,9 @@ struct PagedAttentionShape {
   int max_blocks;    // columns of the block table
   int num_blocks;    // blocks in the cache, for bounds checks
   int window = 0;    // sliding window: a query sees only its last `window` positions (0: all)
+  // bf16 arithmetic on AMX tiles over a bf16 cache (paged_attention_amx.h), for dtype=bfloat16;
+  // where the CPU or the head size does not allow it, the fp32 arithmetic as without it.
+  bool bf16_math = false;
 };
 
 // The first position a query with `len` positions of context sees under `window` (0: none):

@@ -91,6 +91,9 @@ class Attention(nn.Module):
                  context: ForwardContext, window: int = 0):
         super().__init__()
         self.window = window  # sliding window (0: the whole context)
+        # bf16 arithmetic over a bf16 cache on AMX tiles where the CPU has them (dtype=bfloat16:
+        # models/bf16_compute.py sets it); else fp32 arithmetic over the widened cache.
+        self.bf16_math = False
         self.kv_group = 0  # its KV group: the block table it reads (set with the cache)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -110,17 +113,17 @@ class Attention(nn.Module):
         if md.is_prefill:
             out = self._prefill(q, k, v, md)
         else:
-            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale, self.window)
+            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale, self.window, self.bf16_math)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> torch.Tensor:
         kernel = md.max_query_len <= KERNEL_MAX_QUERY_LEN or cpu_threads.wide_threads() > 1 \
-            or cpu_threads.batch_invariant()
+            or cpu_threads.batch_invariant() or (self.bf16_math and _C.bf16_attention_amx(self.head_dim))
         if _use_cpu_kernel(q, self.k_cache) and kernel:
             rows, lens = prefill_queries(md)
             return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale,
-                                       self.window)
+                                       self.window, self.bf16_math)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
@@ -208,14 +211,15 @@ def _decode_layout(md: AttentionMetadata, block_size: int, window: int) -> tuple
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     md: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                     md: AttentionMetadata, scale: float, window: int = 0, bf16_math: bool = False) -> torch.Tensor:
     """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs != md.block_tables.shape[0]:
         raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
                          f"for {md.block_tables.shape[0]} sequences")
     if _use_cpu_kernel(q, k_cache):
-        return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale, window)
+        return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale, window,
+                                   bf16_math)
     return _gathered_decode_attention(q, k_cache, v_cache, md, scale, window)
 
 
@@ -231,14 +235,14 @@ def cache_array(cache: torch.Tensor) -> np.ndarray:
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float,
-                        window: int = 0) -> torch.Tensor:
+                        window: int = 0, bf16_math: bool = False) -> torch.Tensor:
     """The C++ kernel: each query row attends over its own context (its last `window`
     positions, when set), read in place through the block tables (no gathered copy, no
-    per-sequence SDPA setup), on torch's threads."""
+    per-sequence SDPA setup), on torch's threads; bf16_math: in bf16 arithmetic (Attention.bf16_math)."""
     out = torch.empty_like(q)
     _C.paged_attention(q.contiguous().numpy(), cache_array(k_cache), cache_array(v_cache), block_tables.numpy(),
                        context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
-                       query_rows, window)
+                       query_rows, window, bf16_math=bf16_math)
     return out
 
 

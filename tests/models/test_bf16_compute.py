@@ -13,7 +13,8 @@ import torch
 from model_utils import build_tiny_model, prompts_of_lengths, token_ids
 from transformers import AutoModelForCausalLM
 
-from deepinfer_dp import LLM, SamplingParams
+from deepinfer_dp import LLM, SamplingParams, _C
+from deepinfer_dp.layers import attention
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear
 from deepinfer_dp.models import llama_cpu_decode
 
@@ -25,7 +26,7 @@ PROMPTS = prompts_of_lengths([5, 9, 3, 40, 17, 2, 11, 26])
 def bf16_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bf16_compute")
     dirs = {}
-    for kind in ("llama-gqa", "llama-tied", "qwen2-bias"):
+    for kind in ("llama-gqa", "llama-tied", "qwen2-bias", "qwen3-qknorm"):
         src = build_tiny_model(kind, root / kind)
         dst = root / f"{kind}-bf16"
         AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
@@ -68,7 +69,7 @@ def test_products_run_in_bf16_and_the_cache_is_bf16(bf16_dirs):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
 def test_decode_stack_equals_the_modules(bf16_dirs, monkeypatch, kind):
     ids_on, logits_on = run(bf16_dirs[kind], monkeypatch, stack=True)
     ids_off, logits_off = run(bf16_dirs[kind], monkeypatch, stack=False)
@@ -78,11 +79,26 @@ def test_decode_stack_equals_the_modules(bf16_dirs, monkeypatch, kind):
         assert torch.equal(a, b)
 
 
-def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch):
-    together, _ = run(bf16_dirs["llama-gqa"], monkeypatch)
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3-qknorm"])
+def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch, kind):
+    together, _ = run(bf16_dirs[kind], monkeypatch)
     for i in (0, 3, 5):
-        alone, _ = run(bf16_dirs["llama-gqa"], monkeypatch, prompts=[PROMPTS[i]])
+        alone, _ = run(bf16_dirs[kind], monkeypatch, prompts=[PROMPTS[i]])
         assert alone[0] == together[i]
+
+
+@pytest.mark.skipif(not _C.bf16_attention_amx(32), reason="needs AMX-BF16")
+def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
+    """qwen3-qknorm's head size 32 takes the AMX tiles: its logits differ from those of the same
+    model with attention in fp32 over the widened cache, and not by much."""
+    _, bf16_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch)
+    monkeypatch.setattr(attention.Attention, "bf16_math", property(lambda self: False, lambda self, v: None),
+                        raising=False)
+    _, fp32_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch)
+    assert len(bf16_logits) == len(fp32_logits) > 10
+    assert not all(torch.equal(a, b) for a, b in zip(bf16_logits, fp32_logits, strict=True))
+    first = (bf16_logits[0] - fp32_logits[0]).abs().max() / fp32_logits[0].abs().max()
+    assert first < 0.05, first
 
 
 def test_greedy_tokens_mostly_match_transformers_in_bf16(bf16_dirs, monkeypatch):

@@ -1,0 +1,300 @@
+#include "paged_attention_amx.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "bf16_amx.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <immintrin.h>
+
+#include "attention_softmax.h"
+#define DEEPINFER_AMX_ATTENTION 1
+#endif
+
+namespace deepinfer {
+
+#ifdef DEEPINFER_AMX_ATTENTION
+namespace {
+
+constexpr int kRows = 16;       // query rows of a tile: a query token and one of its heads each
+constexpr int kKeys = 32;       // positions of a block: two 16-key score tiles, one 32-deep value product
+constexpr int kMaxDim = 256;
+constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each gathered block
+
+#define AMX_ATTENTION __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
+
+using attention_softmax::exp_nonpositive16;
+
+// The call, as every unit reads it.
+struct Call {
+  const PagedAttentionShape &s;
+  const float *q;
+  const uint16_t *k_cache, *v_cache;
+  const int32_t *tables, *rows, *lens;
+  float scale;
+  float *out;
+};
+
+// Rows [begin, end) of a span's rows (query t0 + i / G, head kv_head * G + i % G) for one KV head.
+struct Unit {
+  int table_row, kv_head, t0, begin, end;
+  int64_t cost;
+};
+
+// A tile's rows and its running softmax. Rows past `count` have an empty context.
+struct alignas(64) Tile {
+  int32_t start[kRows], len[kRows];  // each row's first position and context length
+  float m[kRows], l[kRows];          // running max and denominator
+  int t[kRows], head[kRows];
+  int count, lo, hi;                 // rows in use; positions some row sees: [lo, hi)
+};
+
+// Per-thread buffers, reused from call to call.
+struct Scratch {
+  std::vector<Tile> tiles;
+  std::vector<float> o;        // [tile][row][D], the value sums in the value tiles' column order
+  std::vector<uint32_t> qt;    // [tile][D / 32][16 pairs][16 rows]: the rounded queries as B tiles
+  alignas(64) uint16_t k[kKeys * kMaxDim], v[kKeys * kMaxDim];  // a block's K and V rows, [32][D]
+  alignas(64) uint16_t vb[kKeys * kMaxDim];                      // V as B tiles: [D / 16][16 pairs][32]
+};
+
+// 16 x 16 dwords transposed in registers: r[i] lane c -> r[c] lane i.
+AMX_ATTENTION void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 128-bit lanes of b[c], b[4 + c], b[8 + c], b[12 + c], transposed
+    const __m512i y0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), y1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i y3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+  }
+}
+
+// The tile's rows, their contexts and their queries rounded to bf16 as B tiles (qt).
+AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int first, Tile &tl, uint32_t *qt, float *o) {
+  const int D = c.s.head_dim, G = c.s.num_heads / c.s.num_kv_heads;
+  tl.count = std::min(kRows, u.end - first);
+  tl.lo = INT_MAX;
+  tl.hi = 0;
+  alignas(64) uint16_t qb[kRows][kMaxDim];
+  for (int j = 0; j < kRows; ++j) {
+    tl.m[j] = -INFINITY;
+    tl.l[j] = 0.f;
+    tl.start[j] = tl.len[j] = 0;
+    if (j >= tl.count) {
+      std::memset(qb[j], 0, sizeof(uint16_t) * D);
+      continue;
+    }
+    const int i = first + j;
+    tl.t[j] = u.t0 + i / G;
+    tl.head[j] = u.kv_head * G + i % G;
+    tl.len[j] = c.lens[tl.t[j]];
+    tl.start[j] = window_start(tl.len[j], c.s.window);
+    tl.lo = std::min(tl.lo, tl.start[j]);
+    tl.hi = std::max(tl.hi, tl.len[j]);
+    const float *src = c.q + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
+    for (int d = 0; d < D; d += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i *>(qb[j] + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
+  }
+  for (int ch = 0; ch < D / 32; ++ch) {
+    __m512i r[16];
+    for (int j = 0; j < kRows; ++j) r[j] = _mm512_load_si512(qb[j] + ch * 32);
+    transpose16(r);
+    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qt + (ch * 16 + k) * 16, r[k]);
+  }
+  std::memset(o, 0, sizeof(float) * kRows * D);
+}
+
+// Positions [p0, p0 + 32) of the unit's KV head into s.k and s.v, zeros outside [lo, hi)
+// (a cache slot past every row's context may hold anything, NaN included), and V laid out as
+// B tiles: pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16 dimensions d of
+// the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
+AMX_ATTENTION void gather_block(const Call &c, const Unit &u, int p0, int lo, int hi, Scratch &s) {
+  const int D = c.s.head_dim, bs = c.s.block_size;
+  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  for (int i = 0; i < kKeys; ++i) {
+    const int p = p0 + i;
+    if (p < lo || p >= hi) {
+      std::memset(s.k + i * D, 0, sizeof(uint16_t) * D);
+      std::memset(s.v + i * D, 0, sizeof(uint16_t) * D);
+      continue;
+    }
+    const size_t at = ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_head) * D;
+    std::memcpy(s.k + i * D, c.k_cache + at, sizeof(uint16_t) * D);
+    std::memcpy(s.v + i * D, c.v_cache + at, sizeof(uint16_t) * D);
+  }
+  for (int k = 0; k < kKeys / 2; ++k)
+    for (int ch = 0; ch < D / 32; ++ch) {
+      const __m512i a = _mm512_load_si512(s.v + 2 * k * D + ch * 32), b = _mm512_load_si512(s.v + (2 * k + 1) * D + ch * 32);
+      _mm512_store_si512(s.vb + ((2 * ch) * 16 + k) * 32, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(s.vb + ((2 * ch + 1) * 16 + k) * 32, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+// Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the tiles.
+AMX_ATTENTION void block_scores(const Scratch &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
+  for (int half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    for (int ch = 0; ch < D / 32; ++ch) {
+      _tile_loadd(2, s.k + half * 16 * D + ch * 32, D * 2);
+      _tile_loadd(3, qt + ch * 256, 64);
+      _tile_dpbf16ps(0, 2, 3);
+    }
+    _tile_stored(0, st[half * 16], 64);
+  }
+}
+
+// The softmax's step over one block, lane by lane: the new max and the rescale factor alpha
+// (exactly 1 for a row whose max did not grow), the denominator, and the probabilities
+// rounded to bf16 as the A tile of the values' product (pa: [row][position], 64 bytes a row).
+AMX_ATTENTION __m512 block_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
+  const __m512i len = _mm512_load_si512(tl.len), start = _mm512_load_si512(tl.start);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  __mmask16 valid[kKeys];
+  __m512 bmax = neg_inf;
+  for (int i = 0; i < kKeys; ++i) {
+    const __m512i pos = _mm512_set1_epi32(p0 + i);
+    valid[i] = _mm512_cmpgt_epi32_mask(len, pos) & _mm512_cmple_epi32_mask(start, pos);
+    bmax = _mm512_mask_max_ps(bmax, valid[i], bmax, _mm512_mul_ps(_mm512_load_ps(st[i]), sc));
+  }
+  const __m512 m_old = _mm512_load_ps(tl.m), m_new = _mm512_max_ps(m_old, bmax);
+  const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
+  const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp_nonpositive16(_mm512_sub_ps(m_old, m_new)));
+  __m512 sum = _mm512_setzero_ps();
+  __m512i w[16];
+  for (int k = 0; k < kKeys / 2; ++k) {
+    __m512i half[2];
+    for (int e = 0; e < 2; ++e) {
+      const int i = 2 * k + e;
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st[i]), sc), m_new);
+      const __m512 p = _mm512_maskz_mov_ps(valid[i], exp_nonpositive16(x));
+      sum = _mm512_add_ps(sum, p);
+      half[e] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+    }
+    w[k] = _mm512_or_si512(half[0], _mm512_slli_epi32(half[1], 16));  // lane j: row j's pair k
+  }
+  _mm512_store_ps(tl.m, m_new);
+  _mm512_store_ps(tl.l, _mm512_fmadd_ps(_mm512_load_ps(tl.l), alpha, sum));
+  transpose16(w);
+  for (int j = 0; j < kRows; ++j) _mm512_store_si512(pa + j * 16, w[j]);
+  return alpha;
+}
+
+// One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
+AMX_ATTENTION void block(const Call &c, const Scratch &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
+  const int D = c.s.head_dim;
+  alignas(64) float st[kKeys][kRows];
+  alignas(64) uint32_t pa[kRows * 16];
+  alignas(64) float alpha[kRows], ct[kRows * 16];
+  block_scores(s, qt, D, st);
+  _mm512_store_ps(alpha, block_softmax(tl, p0, c.scale, st, pa));
+  _tile_loadd(4, pa, 64);
+  for (int part = 0; part < D / 16; ++part) {
+    _tile_zero(6);
+    _tile_loadd(5, s.vb + part * 16 * 32, 64);
+    _tile_dpbf16ps(6, 4, 5);
+    _tile_stored(6, ct, 64);
+    for (int j = 0; j < tl.count; ++j) {
+      float *oj = o + j * D + part * 16;
+      _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), _mm512_set1_ps(alpha[j]), _mm512_load_ps(ct + j * 16)));
+    }
+  }
+}
+
+// The tile's rows out: o / l, each value tile's columns back in dimension order.
+void finish_tile(const Call &c, const Tile &tl, const float *o) {
+  const int D = c.s.head_dim;
+  for (int j = 0; j < tl.count; ++j) {
+    float *dst = c.out + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
+    for (int part = 0; part < D / 16; ++part)
+      for (int n = 0; n < 16; ++n) {
+        const int d = (part / 2) * 32 + 8 * (n / 4) + n % 4 + 4 * (part % 2);
+        dst[d] = o[j * D + part * 16 + n] / tl.l[j];
+      }
+  }
+}
+
+AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
+  const int D = c.s.head_dim, n_tiles = (u.end - u.begin + kRows - 1) / kRows;
+  s.tiles.resize(n_tiles);
+  s.o.resize(static_cast<size_t>(n_tiles) * kRows * D);
+  s.qt.resize(static_cast<size_t>(n_tiles) * 8 * D);
+  int lo = INT_MAX, hi = 0;
+  for (int k = 0; k < n_tiles; ++k) {
+    start_tile(c, u, u.begin + k * kRows, s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D);
+    lo = std::min(lo, s.tiles[k].lo);
+    hi = std::max(hi, s.tiles[k].hi);
+  }
+  amx_configure_tiles();
+  for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
+    gather_block(c, u, p0, lo, hi, s);
+    for (int k = 0; k < n_tiles; ++k)  // a block outside a tile's rows' contexts would leave them as they are
+      if (p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo)
+        block(c, s, s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0);
+  }
+  _tile_release();
+  for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);
+}
+
+// Spans of consecutive queries of one block-table row, each KV head's rows cut into units of
+// up to kGroupTiles tiles; the costliest first, so that the pool's threads finish together.
+std::vector<Unit> make_units(const Call &c) {
+  const int T = c.s.num_queries, G = c.s.num_heads / c.s.num_kv_heads, most = kGroupTiles * kRows;
+  std::vector<Unit> units;
+  for (int i = 0; i < T;) {
+    const int row = c.rows ? c.rows[i] : i;
+    int j = i + 1;
+    while (j < T && c.rows && c.rows[j] == row) ++j;
+    for (int b = 0; b < (j - i) * G; b += most) {
+      const int e = std::min((j - i) * G, b + most);
+      int64_t cost = 0;
+      for (int t = i + b / G; t <= i + (e - 1) / G; ++t) cost += c.lens[t] - window_start(c.lens[t], c.s.window);
+      for (int h = 0; h < c.s.num_kv_heads; ++h) units.push_back({row, h, i, b, e, cost});
+    }
+    i = j;
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit &a, const Unit &b) { return a.cost > b.cost; });
+  return units;
+}
+
+}  // namespace
+
+bool paged_attention_amx_fits(const PagedAttentionShape &shape) {
+  return bf16_amx_available() && shape.head_dim % 32 == 0 && shape.head_dim <= kMaxDim;
+}
+
+void paged_attention_amx(const PagedAttentionShape &shape, const float *q, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *block_tables, const int32_t *query_rows,
+                         const int32_t *context_lens, float scale, float *out, int threads) {
+  if (shape.num_queries <= 0) return;
+  const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out};
+  const std::vector<Unit> units = make_units(c);
+  shared_pool(threads).run(static_cast<int>(units.size()), threads, [&](int u) {
+    thread_local Scratch scratch;
+    run_unit(c, units[u], scratch);
+  });
+}
+#else
+bool paged_attention_amx_fits(const PagedAttentionShape &) { return false; }
+void paged_attention_amx(const PagedAttentionShape &, const float *, const uint16_t *, const uint16_t *,
+                         const int32_t *, const int32_t *, const int32_t *, float, float *, int) {}
+#endif
+
+}  // namespace deepinfer
