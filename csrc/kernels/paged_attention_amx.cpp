@@ -59,8 +59,8 @@ struct Scratch {
   std::vector<Tile> tiles;
   std::vector<float> o;        // [tile][row][D], the value sums in the value tiles' column order
   std::vector<uint32_t> qt;    // [tile][D / 32][16 pairs][16 rows]: the rounded queries as B tiles
-  alignas(64) uint16_t k[kKeys * kMaxDim], v[kKeys * kMaxDim];  // a block's K and V rows, [32][D]
-  alignas(64) uint16_t vb[kKeys * kMaxDim];                      // V as B tiles: [D / 16][16 pairs][32]
+  alignas(64) uint16_t k[kKeys * kMaxDim];   // a block's K rows, [32][D]
+  alignas(64) uint16_t vb[kKeys * kMaxDim];  // its V as B tiles: [D / 16][16 pairs][32]
 };
 
 // 16 x 16 dwords transposed in registers: r[i] lane c -> r[c] lane i.
@@ -122,49 +122,64 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int first, Tile &tl,
   std::memset(o, 0, sizeof(float) * kRows * D);
 }
 
-// Positions [p0, p0 + 32) of the unit's KV head into s.k and s.v, zeros outside [lo, hi)
-// (a cache slot past every row's context may hold anything, NaN included), and V laid out as
-// B tiles: pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16 dimensions d of
-// the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
+// Positions [p0, p0 + 32) of the unit's KV head: K into s.k, zeros outside [lo, hi) (a cache
+// slot past every row's context may hold anything, NaN included), and V laid out as B tiles
+// (same zeros): pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16
+// dimensions d of the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
 AMX_ATTENTION void gather_block(const Call &c, const Unit &u, int p0, int lo, int hi, Scratch &s) {
   const int D = c.s.head_dim, bs = c.s.block_size;
   const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  auto row_at = [&](int p) {
+    return ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_head) * D;
+  };
+  const uint16_t *v_rows[kKeys];
   for (int i = 0; i < kKeys; ++i) {
     const int p = p0 + i;
-    if (p < lo || p >= hi) {
-      std::memset(s.k + i * D, 0, sizeof(uint16_t) * D);
-      std::memset(s.v + i * D, 0, sizeof(uint16_t) * D);
-      continue;
-    }
-    const size_t at = ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_head) * D;
-    std::memcpy(s.k + i * D, c.k_cache + at, sizeof(uint16_t) * D);
-    std::memcpy(s.v + i * D, c.v_cache + at, sizeof(uint16_t) * D);
+    // The next block's row, asked for a row at a time: its slots may lie anywhere in the
+    // cache, where the hardware prefetcher does not look.
+    if (p + kKeys < hi)
+      for (int line = 0; line < D * 2; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char *>(c.k_cache + row_at(p + kKeys)) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(c.v_cache + row_at(p + kKeys)) + line, _MM_HINT_T0);
+      }
+    const bool in = p >= lo && p < hi;
+    const uint16_t *k_row = in ? c.k_cache + row_at(p) : nullptr;
+    v_rows[i] = in ? c.v_cache + row_at(p) : nullptr;
+    for (int d = 0; d < D; d += 32)
+      _mm512_store_si512(s.k + i * D + d, in ? _mm512_loadu_si512(k_row + d) : _mm512_setzero_si512());
   }
   for (int k = 0; k < kKeys / 2; ++k)
     for (int ch = 0; ch < D / 32; ++ch) {
-      const __m512i a = _mm512_load_si512(s.v + 2 * k * D + ch * 32), b = _mm512_load_si512(s.v + (2 * k + 1) * D + ch * 32);
+      const uint16_t *ra = v_rows[2 * k], *rb = v_rows[2 * k + 1];
+      const __m512i a = ra ? _mm512_loadu_si512(ra + ch * 32) : _mm512_setzero_si512();
+      const __m512i b = rb ? _mm512_loadu_si512(rb + ch * 32) : _mm512_setzero_si512();
       _mm512_store_si512(s.vb + ((2 * ch) * 16 + k) * 32, _mm512_unpacklo_epi16(a, b));
       _mm512_store_si512(s.vb + ((2 * ch + 1) * 16 + k) * 32, _mm512_unpackhi_epi16(a, b));
     }
 }
 
-// Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the tiles.
+// Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the
+// tiles, its two 16-position halves side by side (C tiles 0 and 1, their K rows in 2 and 4).
 AMX_ATTENTION void block_scores(const Scratch &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
-  for (int half = 0; half < 2; ++half) {
-    _tile_zero(0);
-    for (int ch = 0; ch < D / 32; ++ch) {
-      _tile_loadd(2, s.k + half * 16 * D + ch * 32, D * 2);
-      _tile_loadd(3, qt + ch * 256, 64);
-      _tile_dpbf16ps(0, 2, 3);
-    }
-    _tile_stored(0, st[half * 16], 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int ch = 0; ch < D / 32; ++ch) {
+    _tile_loadd(3, qt + ch * 256, 64);
+    _tile_loadd(2, s.k + ch * 32, D * 2);
+    _tile_loadd(4, s.k + 16 * D + ch * 32, D * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 4, 3);
   }
+  _tile_stored(0, st[0], 64);
+  _tile_stored(1, st[16], 64);
 }
 
-// The softmax's step over one block, lane by lane: the new max and the rescale factor alpha
-// (exactly 1 for a row whose max did not grow), the denominator, and the probabilities
-// rounded to bf16 as the A tile of the values' product (pa: [row][position], 64 bytes a row).
-AMX_ATTENTION __m512 block_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
+// The softmax's step over one block for every row of the tile, lane by lane: the new max and
+// the rescale factor alpha (exactly 1 for a row whose max did not grow), the denominator
+// (the block's probabilities summed by a fixed halving tree over its 32 positions, as
+// row_softmax sums them), and the probabilities rounded to bf16 as the A tile of the values'
+// product (pa: [row][position], 64 bytes a row).
+AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
   const __m512i len = _mm512_load_si512(tl.len), start = _mm512_load_si512(tl.start);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
   __mmask16 valid[kKeys];
@@ -177,44 +192,89 @@ AMX_ATTENTION __m512 block_softmax(Tile &tl, int p0, float scale, float st[kKeys
   const __m512 m_old = _mm512_load_ps(tl.m), m_new = _mm512_max_ps(m_old, bmax);
   const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
   const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp_nonpositive16(_mm512_sub_ps(m_old, m_new)));
-  __m512 sum = _mm512_setzero_ps();
+  __m512 p[kKeys];
+  for (int i = 0; i < kKeys; ++i)
+    p[i] = _mm512_maskz_mov_ps(valid[i], exp_nonpositive16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st[i]), sc), m_new)));
   __m512i w[16];
-  for (int k = 0; k < kKeys / 2; ++k) {
-    __m512i half[2];
-    for (int e = 0; e < 2; ++e) {
-      const int i = 2 * k + e;
-      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st[i]), sc), m_new);
-      const __m512 p = _mm512_maskz_mov_ps(valid[i], exp_nonpositive16(x));
-      sum = _mm512_add_ps(sum, p);
-      half[e] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
-    }
-    w[k] = _mm512_or_si512(half[0], _mm512_slli_epi32(half[1], 16));  // lane j: row j's pair k
+  for (int k = 0; k < kKeys / 2; ++k) {  // lane j: row j's pair k
+    const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * k]));
+    const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * k + 1]));
+    w[k] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
   }
+  for (int n = kKeys / 2; n >= 1; n /= 2)
+    for (int i = 0; i < n; ++i) p[i] = _mm512_add_ps(p[i], p[i + n]);
   _mm512_store_ps(tl.m, m_new);
-  _mm512_store_ps(tl.l, _mm512_fmadd_ps(_mm512_load_ps(tl.l), alpha, sum));
+  _mm512_store_ps(tl.l, _mm512_fmadd_ps(_mm512_load_ps(tl.l), alpha, p[0]));
   transpose16(w);
   for (int j = 0; j < kRows; ++j) _mm512_store_si512(pa + j * 16, w[j]);
   return alpha;
 }
+
+// tile_softmax's floats for row j alone, its 32 positions in two registers: a decode token's
+// tile holds only its own heads, where 16 lanes of rows would mostly compute nothing. Returns
+// the row's alpha.
+AMX_ATTENTION float row_softmax(Tile &tl, int j, int p0, float scale, const float st[kKeys][kRows], uint32_t *pa) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(kRows)), _mm512_set1_epi32(j));
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  __m512 s[2];
+  __mmask16 valid[2];
+  __m512 bmax = neg_inf;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(p0 + 16 * h));
+    valid[h] = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(tl.len[j]), pos) &
+               _mm512_cmple_epi32_mask(_mm512_set1_epi32(tl.start[j]), pos);
+    s[h] = _mm512_mul_ps(_mm512_i32gather_ps(column, st[16 * h], 4), sc);
+    bmax = _mm512_mask_max_ps(bmax, valid[h], bmax, s[h]);
+  }
+  const float m_old = tl.m[j], m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
+  const float alpha = m_new > m_old ? _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(m_old - m_new))) : 1.f;
+  __m512 p[2];
+  for (int h = 0; h < 2; ++h)
+    p[h] = _mm512_maskz_mov_ps(valid[h], exp_nonpositive16(_mm512_sub_ps(s[h], _mm512_set1_ps(m_new))));
+  _mm512_store_si512(pa + j * 16, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+  __m512 x = _mm512_add_ps(p[0], p[1]);                     // positions i and i + 16
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x0E));  // + i + 8
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x01));  // + i + 4
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x0E));        // + i + 2
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x01));        // + i + 1
+  tl.m[j] = m_new;
+  tl.l[j] = std::fma(tl.l[j], alpha, _mm512_cvtss_f32(x));
+  return alpha;
+}
+
+// Tiles of this many rows or fewer take row_softmax.
+constexpr int kFewRows = 4;
 
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
 AMX_ATTENTION void block(const Call &c, const Scratch &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
-  alignas(64) float alpha[kRows], ct[kRows * 16];
+  alignas(64) float alpha[kRows], ct[2 * kRows * 16];
   block_scores(s, qt, D, st);
-  _mm512_store_ps(alpha, block_softmax(tl, p0, c.scale, st, pa));
+  if (tl.count > kFewRows) {
+    _mm512_store_ps(alpha, tile_softmax(tl, p0, c.scale, st, pa));
+  } else {
+    for (int j = 0; j < tl.count; ++j) alpha[j] = row_softmax(tl, j, p0, c.scale, st, pa);
+    std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
+  }
   _tile_loadd(4, pa, 64);
-  for (int part = 0; part < D / 16; ++part) {
+  for (int part = 0; part < D / 16; part += 2) {  // two value tiles side by side: C 6 and 7, V rows in 5 and 2
     _tile_zero(6);
+    _tile_zero(7);
     _tile_loadd(5, s.vb + part * 16 * 32, 64);
+    _tile_loadd(2, s.vb + (part + 1) * 16 * 32, 64);
     _tile_dpbf16ps(6, 4, 5);
+    _tile_dpbf16ps(7, 4, 2);
     _tile_stored(6, ct, 64);
-    for (int j = 0; j < tl.count; ++j) {
-      float *oj = o + j * D + part * 16;
-      _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), _mm512_set1_ps(alpha[j]), _mm512_load_ps(ct + j * 16)));
-    }
+    _tile_stored(7, ct + kRows * 16, 64);
+    for (int j = 0; j < tl.count; ++j)
+      for (int e = 0; e < 2; ++e) {
+        float *oj = o + j * D + (part + e) * 16;
+        const __m512 sum = _mm512_load_ps(ct + (e * kRows + j) * 16);
+        _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), _mm512_set1_ps(alpha[j]), sum));
+      }
   }
 }
 

@@ -6,14 +6,18 @@ torch rounds) laid out for `vdpbf16ps`, so each product rounds its input rows to
 accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h). Between the products
 the hidden states stay fp32: RMSNorm, RoPE, softmax and the residual adds run in fp32, as
 vLLM's CPU backend runs them, and the KV cache is bf16 (the runner allocates it in the
-compute dtype). Attention computes in bf16 too where the CPU has AMX tiles
+compute dtype; the attention kernel widens it to fp32 as it reads). With
+DEEPINFER_DP_BF16_ATTENTION=1 attention computes in bf16 too where the CPU has AMX tiles
 (csrc/kernels/paged_attention_amx.h: the rounded query times the bf16 cache, the
-probabilities rounded for the values' product, fp32 accumulation and softmax); elsewhere the
-attention kernel widens the cache to fp32 as it reads. The model is still an fp32 module
+probabilities rounded for the values' product, fp32 accumulation and softmax): a long
+prompt's prefill attention runs 3x faster, but decode attention over long contexts about
+1.4x slower (docs/benchmarks.md), so it is not the default yet. The model is still an fp32 module
 tree, so the one-call decode stack (llama_cpu_decode.py) takes it unchanged.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -21,12 +25,15 @@ from torch import nn
 from deepinfer_dp.layers.attention import Attention
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 
+# Attention in bf16 on AMX as well (read at import; tests set it).
+BF16_ATTENTION = os.environ.get("DEEPINFER_DP_BF16_ATTENTION", "0") == "1"
+
 
 def to_bf16_compute(model: nn.Module) -> int:
     """Puts every linear layer of `model` (a packed CPU model) on bf16 arithmetic where its
     shape fits the pair layout (rows a multiple of 16, even columns); returns how many. An
-    embedding that shares its matrix with the lm_head shares the new one. Its attention
-    layers compute in bf16 as well (Attention.bf16_math)."""
+    embedding that shares its matrix with the lm_head shares the new one. With BF16_ATTENTION
+    its attention layers compute in bf16 as well (Attention.bf16_math)."""
     converted: dict[int, PackedWeight] = {}
     count = 0
     for parent in list(model.modules()):
@@ -51,5 +58,5 @@ def to_bf16_compute(model: nn.Module) -> int:
         if isinstance(module, PackedEmbedding) and id(module.weight_packed) in converted:
             module.weight_packed = converted[id(module.weight_packed)]
         elif isinstance(module, Attention):
-            module.bf16_math = True
+            module.bf16_math = BF16_ATTENTION
     return count

@@ -13,10 +13,9 @@ import torch
 from model_utils import build_tiny_model, prompts_of_lengths, token_ids
 from transformers import AutoModelForCausalLM
 
-from deepinfer_dp import LLM, SamplingParams, _C
-from deepinfer_dp.layers import attention
+from deepinfer_dp import _C, LLM, SamplingParams
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear
-from deepinfer_dp.models import llama_cpu_decode
+from deepinfer_dp.models import bf16_compute, llama_cpu_decode
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts_of_lengths([5, 9, 3, 40, 17, 2, 11, 26])
@@ -42,9 +41,11 @@ def make_llm(model_dir: str, **kw) -> LLM:
                max_model_len=128, torch_threads=2, **kw)
 
 
-def run(model_dir: str, monkeypatch, stack: bool = True, prompts=PROMPTS) -> tuple[list, list]:
+def run(model_dir: str, monkeypatch, stack: bool = True, prompts=PROMPTS, bf16_attention: bool = False
+        ) -> tuple[list, list]:
     """Token ids and every step's logits."""
     monkeypatch.setattr(llama_cpu_decode, "ENABLED", stack)
+    monkeypatch.setattr(bf16_compute, "BF16_ATTENTION", bf16_attention)
     llm = make_llm(model_dir, max_num_batched_tokens=64)
     try:
         model = llm.llm_engine.worker.runner.model
@@ -69,31 +70,30 @@ def test_products_run_in_bf16_and_the_cache_is_bf16(bf16_dirs):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
-def test_decode_stack_equals_the_modules(bf16_dirs, monkeypatch, kind):
-    ids_on, logits_on = run(bf16_dirs[kind], monkeypatch, stack=True)
-    ids_off, logits_off = run(bf16_dirs[kind], monkeypatch, stack=False)
+@pytest.mark.parametrize("kind,bf16_attention", [("llama-gqa", False), ("qwen2-bias", False),
+                                                 ("qwen3-qknorm", False), ("qwen3-qknorm", True)])
+def test_decode_stack_equals_the_modules(bf16_dirs, monkeypatch, kind, bf16_attention):
+    ids_on, logits_on = run(bf16_dirs[kind], monkeypatch, stack=True, bf16_attention=bf16_attention)
+    ids_off, logits_off = run(bf16_dirs[kind], monkeypatch, stack=False, bf16_attention=bf16_attention)
     assert ids_on == ids_off
     assert len(logits_on) == len(logits_off) > 10
     for a, b in zip(logits_on, logits_off, strict=True):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3-qknorm"])
-def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch, kind):
-    together, _ = run(bf16_dirs[kind], monkeypatch)
+@pytest.mark.parametrize("kind,bf16_attention", [("llama-gqa", False), ("qwen3-qknorm", True)])
+def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch, kind, bf16_attention):
+    together, _ = run(bf16_dirs[kind], monkeypatch, bf16_attention=bf16_attention)
     for i in (0, 3, 5):
-        alone, _ = run(bf16_dirs[kind], monkeypatch, prompts=[PROMPTS[i]])
+        alone, _ = run(bf16_dirs[kind], monkeypatch, prompts=[PROMPTS[i]], bf16_attention=bf16_attention)
         assert alone[0] == together[i]
 
 
 @pytest.mark.skipif(not _C.bf16_attention_amx(32), reason="needs AMX-BF16")
 def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
-    """qwen3-qknorm's head size 32 takes the AMX tiles: its logits differ from those of the same
-    model with attention in fp32 over the widened cache, and not by much."""
-    _, bf16_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch)
-    monkeypatch.setattr(attention.Attention, "bf16_math", property(lambda self: False, lambda self, v: None),
-                        raising=False)
+    """With DEEPINFER_DP_BF16_ATTENTION, qwen3-qknorm's head size 32 takes the AMX tiles: its
+    logits differ from those with attention in fp32 over the widened cache, and not by much."""
+    _, bf16_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch, bf16_attention=True)
     _, fp32_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch)
     assert len(bf16_logits) == len(fp32_logits) > 10
     assert not all(torch.equal(a, b) for a, b in zip(bf16_logits, fp32_logits, strict=True))
