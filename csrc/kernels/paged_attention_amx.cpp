@@ -40,9 +40,10 @@ struct Call {
   float *out;
 };
 
-// Rows [begin, end) of a span's rows (query t0 + i / G, head kv_head * G + i % G) for one KV head.
+// Rows [begin, end) of a span's rows (query t0 + i / G, head kv * G + i % G) for each KV head
+// kv in [kv_first, kv_first + kv_count).
 struct Unit {
-  int table_row, kv_head, t0, begin, end;
+  int table_row, kv_first, kv_count, t0, begin, end;
   int64_t cost;
 };
 
@@ -54,13 +55,20 @@ struct alignas(64) Tile {
   int count, lo, hi;                 // rows in use; positions some row sees: [lo, hi)
 };
 
+// One KV head's block of 32 positions, as the tiles read it.
+struct KvBlock {
+  alignas(64) uint16_t k[kKeys * kMaxDim];   // K rows where they are copied, [32][D]
+  alignas(64) uint16_t vb[kKeys * kMaxDim];  // V as B tiles: [D / 16][16 pairs][32]
+  const uint16_t *k_rows[2];                 // each 16-position half's K rows: in the cache, or in k
+  int k_stride[2];                           // their stride in bytes
+};
+
 // Per-thread buffers, reused from call to call.
 struct Scratch {
   std::vector<Tile> tiles;
   std::vector<float> o;        // [tile][row][D], the value sums in the value tiles' column order
   std::vector<uint32_t> qt;    // [tile][D / 32][16 pairs][16 rows]: the rounded queries as B tiles
-  alignas(64) uint16_t k[kKeys * kMaxDim];   // a block's K rows, [32][D]
-  alignas(64) uint16_t vb[kKeys * kMaxDim];  // its V as B tiles: [D / 16][16 pairs][32]
+  std::vector<KvBlock> kv;     // the unit's KV heads' current block
 };
 
 // 16 x 16 dwords transposed in registers: r[i] lane c -> r[c] lane i.
@@ -88,7 +96,7 @@ AMX_ATTENTION void transpose16(__m512i r[16]) {
 }
 
 // The tile's rows, their contexts and their queries rounded to bf16 as B tiles (qt).
-AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int first, Tile &tl, uint32_t *qt, float *o) {
+AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, Tile &tl, uint32_t *qt, float *o) {
   const int D = c.s.head_dim, G = c.s.num_heads / c.s.num_kv_heads;
   tl.count = std::min(kRows, u.end - first);
   tl.lo = INT_MAX;
@@ -104,7 +112,7 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int first, Tile &tl,
     }
     const int i = first + j;
     tl.t[j] = u.t0 + i / G;
-    tl.head[j] = u.kv_head * G + i % G;
+    tl.head[j] = kv * G + i % G;
     tl.len[j] = c.lens[tl.t[j]];
     tl.start[j] = window_start(tl.len[j], c.s.window);
     tl.lo = std::min(tl.lo, tl.start[j]);
@@ -122,31 +130,38 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int first, Tile &tl,
   std::memset(o, 0, sizeof(float) * kRows * D);
 }
 
-// Positions [p0, p0 + 32) of the unit's KV head: K into s.k, zeros outside [lo, hi) (a cache
-// slot past every row's context may hold anything, NaN included), and V laid out as B tiles
-// (same zeros): pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16
+// Positions [p0, p0 + 32) of the unit's KV head: K as the scores' A tiles, zeros outside
+// [lo, hi) (a cache slot past every row's context may hold anything, NaN included), and V laid
+// out as B tiles (same zeros): pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16
 // dimensions d of the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
-AMX_ATTENTION void gather_block(const Call &c, const Unit &u, int p0, int lo, int hi, Scratch &s) {
+AMX_ATTENTION void gather_block(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
   const int D = c.s.head_dim, bs = c.s.block_size;
-  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  const int32_t *table = c.tables + static_cast<size_t>(table_row) * c.s.max_blocks;
   auto row_at = [&](int p) {
-    return ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_head) * D;
+    return ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + kv) * D;
   };
   const uint16_t *v_rows[kKeys];
   for (int i = 0; i < kKeys; ++i) {
     const int p = p0 + i;
-    // The next block's row, asked for a row at a time: its slots may lie anywhere in the
-    // cache, where the hardware prefetcher does not look.
-    if (p + kKeys < hi)
-      for (int line = 0; line < D * 2; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char *>(c.k_cache + row_at(p + kKeys)) + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char *>(c.v_cache + row_at(p + kKeys)) + line, _MM_HINT_T0);
-      }
-    const bool in = p >= lo && p < hi;
-    const uint16_t *k_row = in ? c.k_cache + row_at(p) : nullptr;
-    v_rows[i] = in ? c.v_cache + row_at(p) : nullptr;
-    for (int d = 0; d < D; d += 32)
-      _mm512_store_si512(s.k + i * D + d, in ? _mm512_loadu_si512(k_row + d) : _mm512_setzero_si512());
+    v_rows[i] = p >= lo && p < hi ? c.v_cache + row_at(p) : nullptr;
+  }
+  // Each 16-position half of K as the A tile: read in place when its rows are 16 slots of one
+  // cache block, all inside [lo, hi); else copied into s.k with zeros.
+  for (int h = 0; h < 2; ++h) {
+    const int first = p0 + 16 * h;
+    if (c.s.block_size % 16 == 0 && first >= lo && first + 16 <= hi) {
+      s.k_rows[h] = c.k_cache + row_at(first);
+      s.k_stride[h] = c.s.num_kv_heads * D * 2;
+      continue;
+    }
+    for (int i = 0; i < 16; ++i) {
+      const int p = first + i;
+      const uint16_t *k_row = p >= lo && p < hi ? c.k_cache + row_at(p) : nullptr;
+      for (int d = 0; d < D; d += 32)
+        _mm512_store_si512(s.k + (16 * h + i) * D + d, k_row ? _mm512_loadu_si512(k_row + d) : _mm512_setzero_si512());
+    }
+    s.k_rows[h] = s.k + 16 * h * D;
+    s.k_stride[h] = D * 2;
   }
   for (int k = 0; k < kKeys / 2; ++k)
     for (int ch = 0; ch < D / 32; ++ch) {
@@ -160,13 +175,13 @@ AMX_ATTENTION void gather_block(const Call &c, const Unit &u, int p0, int lo, in
 
 // Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the
 // tiles, its two 16-position halves side by side (C tiles 0 and 1, their K rows in 2 and 4).
-AMX_ATTENTION void block_scores(const Scratch &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
+AMX_ATTENTION void block_scores(const KvBlock &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
   _tile_zero(0);
   _tile_zero(1);
   for (int ch = 0; ch < D / 32; ++ch) {
     _tile_loadd(3, qt + ch * 256, 64);
-    _tile_loadd(2, s.k + ch * 32, D * 2);
-    _tile_loadd(4, s.k + 16 * D + ch * 32, D * 2);
+    _tile_loadd(2, s.k_rows[0] + ch * 32, s.k_stride[0]);
+    _tile_loadd(4, s.k_rows[1] + ch * 32, s.k_stride[1]);
     _tile_dpbf16ps(0, 2, 3);
     _tile_dpbf16ps(1, 4, 3);
   }
@@ -247,7 +262,7 @@ AMX_ATTENTION float row_softmax(Tile &tl, int j, int p0, float scale, const floa
 constexpr int kFewRows = 4;
 
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
-AMX_ATTENTION void block(const Call &c, const Scratch &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
+AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
@@ -278,45 +293,60 @@ AMX_ATTENTION void block(const Call &c, const Scratch &s, Tile &tl, const uint32
   }
 }
 
-// The tile's rows out: o / l, each value tile's columns back in dimension order.
-void finish_tile(const Call &c, const Tile &tl, const float *o) {
+// The tile's rows out: o / l, each 32-dimension chunk's two value tiles (unpacklo's and
+// unpackhi's dimensions) merged back into dimension order.
+AMX_ATTENTION void finish_tile(const Call &c, const Tile &tl, const float *o) {
   const int D = c.s.head_dim;
+  // Dimension d = 8a + b of a chunk sits in the low tile's column 4a + b for b < 4, else in
+  // the high tile's column 4a + b - 4 (lane 16 + that of the two-table permute).
+  alignas(64) int32_t index[32];
+  for (int d = 0; d < 32; ++d) index[d] = d % 8 < 4 ? 4 * (d / 8) + d % 8 : 16 + 4 * (d / 8) + d % 8 - 4;
+  const __m512i first = _mm512_load_si512(index), second = _mm512_load_si512(index + 16);
   for (int j = 0; j < tl.count; ++j) {
     float *dst = c.out + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
-    for (int part = 0; part < D / 16; ++part)
-      for (int n = 0; n < 16; ++n) {
-        const int d = (part / 2) * 32 + 8 * (n / 4) + n % 4 + 4 * (part % 2);
-        dst[d] = o[j * D + part * 16 + n] / tl.l[j];
-      }
+    const __m512 l = _mm512_set1_ps(tl.l[j]);
+    for (int ch = 0; ch < D / 32; ++ch) {
+      const __m512 lo = _mm512_loadu_ps(o + j * D + ch * 32), hi = _mm512_loadu_ps(o + j * D + ch * 32 + 16);
+      _mm512_storeu_ps(dst + ch * 32, _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), l));
+      _mm512_storeu_ps(dst + ch * 32 + 16, _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), l));
+    }
   }
 }
 
 AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
-  const int D = c.s.head_dim, n_tiles = (u.end - u.begin + kRows - 1) / kRows;
+  const int D = c.s.head_dim, per_head = (u.end - u.begin + kRows - 1) / kRows, n_tiles = u.kv_count * per_head;
   s.tiles.resize(n_tiles);
   s.o.resize(static_cast<size_t>(n_tiles) * kRows * D);
   s.qt.resize(static_cast<size_t>(n_tiles) * 8 * D);
+  s.kv.resize(u.kv_count);
   int lo = INT_MAX, hi = 0;
   for (int k = 0; k < n_tiles; ++k) {
-    start_tile(c, u, u.begin + k * kRows, s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D);
+    start_tile(c, u, u.kv_first + k / per_head, u.begin + (k % per_head) * kRows, s.tiles[k],
+               s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D);
     lo = std::min(lo, s.tiles[k].lo);
     hi = std::max(hi, s.tiles[k].hi);
   }
   amx_configure_tiles();
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
-    gather_block(c, u, p0, lo, hi, s);
+    for (int h = 0; h < u.kv_count; ++h) gather_block(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
     for (int k = 0; k < n_tiles; ++k)  // a block outside a tile's rows' contexts would leave them as they are
       if (p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo)
-        block(c, s, s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0);
+        block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0);
   }
   _tile_release();
   for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);
 }
 
-// Spans of consecutive queries of one block-table row, each KV head's rows cut into units of
-// up to kGroupTiles tiles; the costliest first, so that the pool's threads finish together.
-std::vector<Unit> make_units(const Call &c) {
+// Spans of consecutive queries of one block-table row, cut into units: a span of one tile a
+// KV head (a decode token) takes all its KV heads in one unit when the call has spans enough
+// for the threads, so that each cache block is read whole rather than as one head's strided
+// rows; else each KV head's rows go in units of up to kGroupTiles tiles. The costliest first,
+// so that the threads finish together.
+std::vector<Unit> make_units(const Call &c, int threads) {
   const int T = c.s.num_queries, G = c.s.num_heads / c.s.num_kv_heads, most = kGroupTiles * kRows;
+  int spans = 0;
+  for (int i = 0; i < T; ++i) spans += !c.rows || i == 0 || c.rows[i] != c.rows[i - 1];
+  const bool whole_blocks = spans >= 2 * threads;
   std::vector<Unit> units;
   for (int i = 0; i < T;) {
     const int row = c.rows ? c.rows[i] : i;
@@ -326,7 +356,10 @@ std::vector<Unit> make_units(const Call &c) {
       const int e = std::min((j - i) * G, b + most);
       int64_t cost = 0;
       for (int t = i + b / G; t <= i + (e - 1) / G; ++t) cost += c.lens[t] - window_start(c.lens[t], c.s.window);
-      for (int h = 0; h < c.s.num_kv_heads; ++h) units.push_back({row, h, i, b, e, cost});
+      if (whole_blocks && (j - i) * G <= kRows)
+        units.push_back({row, 0, c.s.num_kv_heads, i, b, e, cost * c.s.num_kv_heads});
+      else
+        for (int h = 0; h < c.s.num_kv_heads; ++h) units.push_back({row, h, 1, i, b, e, cost});
     }
     i = j;
   }
@@ -345,7 +378,7 @@ void paged_attention_amx(const PagedAttentionShape &shape, const float *q, const
                          const int32_t *context_lens, float scale, float *out, int threads) {
   if (shape.num_queries <= 0) return;
   const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out};
-  const std::vector<Unit> units = make_units(c);
+  const std::vector<Unit> units = make_units(c, threads);
   shared_pool(threads).run(static_cast<int>(units.size()), threads, [&](int u) {
     thread_local Scratch scratch;
     run_unit(c, units[u], scratch);
