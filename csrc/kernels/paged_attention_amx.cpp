@@ -134,17 +134,12 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
 // [lo, hi) (a cache slot past every row's context may hold anything, NaN included), and V laid
 // out as B tiles (same zeros): pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16
 // dimensions d of the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
-AMX_ATTENTION void gather_block(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
+AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
   const int D = c.s.head_dim, bs = c.s.block_size;
   const int32_t *table = c.tables + static_cast<size_t>(table_row) * c.s.max_blocks;
   auto row_at = [&](int p) {
     return ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + kv) * D;
   };
-  const uint16_t *v_rows[kKeys];
-  for (int i = 0; i < kKeys; ++i) {
-    const int p = p0 + i;
-    v_rows[i] = p >= lo && p < hi ? c.v_cache + row_at(p) : nullptr;
-  }
   // Each 16-position half of K as the A tile: read in place when its rows are 16 slots of one
   // cache block, all inside [lo, hi); else copied into s.k with zeros.
   for (int h = 0; h < 2; ++h) {
@@ -163,14 +158,29 @@ AMX_ATTENTION void gather_block(const Call &c, int table_row, int kv, int p0, in
     s.k_rows[h] = s.k + 16 * h * D;
     s.k_stride[h] = D * 2;
   }
-  for (int k = 0; k < kKeys / 2; ++k)
-    for (int ch = 0; ch < D / 32; ++ch) {
-      const uint16_t *ra = v_rows[2 * k], *rb = v_rows[2 * k + 1];
-      const __m512i a = ra ? _mm512_loadu_si512(ra + ch * 32) : _mm512_setzero_si512();
-      const __m512i b = rb ? _mm512_loadu_si512(rb + ch * 32) : _mm512_setzero_si512();
-      _mm512_store_si512(s.vb + ((2 * ch) * 16 + k) * 32, _mm512_unpacklo_epi16(a, b));
-      _mm512_store_si512(s.vb + ((2 * ch + 1) * 16 + k) * 32, _mm512_unpackhi_epi16(a, b));
-    }
+}
+
+// The same block's V for the unit's KV heads, as B tiles (zeros outside [lo, hi)): pair row k
+// of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16 dimensions d of the 32-dimension
+// chunk ch that unpacklo (half 0) or unpackhi (half 1) picks. A position's heads are read
+// together, so a cache block is read front to back.
+AMX_ATTENTION void gather_values(const Call &c, const Unit &u, int p0, int lo, int hi, KvBlock *blocks) {
+  const int D = c.s.head_dim, bs = c.s.block_size;
+  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  auto heads_at = [&](int p) -> const uint16_t * {
+    if (p < lo || p >= hi) return nullptr;
+    return c.v_cache + ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_first) * D;
+  };
+  for (int k = 0; k < kKeys / 2; ++k) {
+    const uint16_t *ra = heads_at(p0 + 2 * k), *rb = heads_at(p0 + 2 * k + 1);
+    for (int h = 0; h < u.kv_count; ++h)
+      for (int ch = 0; ch < D / 32; ++ch) {
+        const __m512i a = ra ? _mm512_loadu_si512(ra + h * D + ch * 32) : _mm512_setzero_si512();
+        const __m512i b = rb ? _mm512_loadu_si512(rb + h * D + ch * 32) : _mm512_setzero_si512();
+        _mm512_store_si512(blocks[h].vb + ((2 * ch) * 16 + k) * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(blocks[h].vb + ((2 * ch + 1) * 16 + k) * 32, _mm512_unpackhi_epi16(a, b));
+      }
+  }
 }
 
 // Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the
@@ -328,7 +338,8 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
   }
   amx_configure_tiles();
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
-    for (int h = 0; h < u.kv_count; ++h) gather_block(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
+    gather_values(c, u, p0, lo, hi, s.kv.data());
+    for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
     for (int k = 0; k < n_tiles; ++k)  // a block outside a tile's rows' contexts would leave them as they are
       if (p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo)
         block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0);

@@ -1,0 +1,76 @@
+"""bf16 attention on AMX tiles (DEEPINFER_DP_BF16_ATTENTION=1) against fp32 arithmetic over
+the same bf16 cache (the default), one layer of SmolLM2's shape (9 query heads, 3 KV heads,
+head size 64, blocks of 16 slots scattered over the cache), milliseconds a call.
+
+    .venv/bin/python benchmarks/bf16_attention.py [--threads 2] [--rounds 3]
+
+Cases: decode steps (one token a sequence) at 1, 16 and 64 sequences of 2,000 and 200
+positions, and one 2,000-token prompt's prefill (every position a query). The two kernels
+alternate round by round in one process, so the machine's drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from deepinfer_dp import _C
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def make_case(seqs: int, ctx: int, prefill: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    per_seq = -(-ctx // BLOCK)
+    blocks = seqs * per_seq
+    k, v = (torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16().view(torch.uint16).numpy() for _ in range(2))
+    table = rng.permutation(blocks).reshape(seqs, per_seq).astype(np.int32)
+    if prefill:
+        rows = np.repeat(np.arange(seqs, dtype=np.int32), ctx)
+        lens = np.tile(np.arange(1, ctx + 1, dtype=np.int32), seqs)
+    else:
+        rows, lens = None, np.full(seqs, ctx, np.int32)
+    q = rng.standard_normal((len(lens), HEADS, HEAD_DIM), dtype=np.float32)
+    return q, k, v, table, lens, rows
+
+
+def time_call(case, bf16_math: bool, threads: int, seconds: float = 0.5) -> float:
+    q, k, v, table, lens, rows = case
+    out = np.empty_like(q)
+
+    def call():
+        _C.paged_attention(q, k, v, table, lens, out, HEAD_DIM ** -0.5, threads, rows, 0, bf16_math=bf16_math)
+
+    call()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        call()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not _C.bf16_attention_amx(HEAD_DIM):
+        raise SystemExit("this CPU has no AMX-BF16: bf16_math would widen to fp32, the same kernel")
+    cases = [("decode", s, c) for s in (1, 16, 64) for c in (2000, 200)] + [("prefill", 1, 2000)]
+    print(f"{'case':<28} {'fp32 ms':>18} {'AMX bf16 ms':>18} {'fp32 / AMX':>12}")
+    for kind, seqs, ctx in cases:
+        case = make_case(seqs, ctx, kind == "prefill")
+        fp32, amx = [], []
+        for _ in range(args.rounds):
+            fp32.append(time_call(case, False, args.threads))
+            amx.append(time_call(case, True, args.threads))
+        name = f"{kind} {seqs} x {ctx}"
+        ratios = ", ".join(f"{a / b:.2f}" for a, b in zip(fp32, amx, strict=True))
+        print(f"{name:<28} {min(fp32):>8.3f}-{max(fp32):<9.3f} {min(amx):>8.3f}-{max(amx):<9.3f} {ratios}")
+
+
+if __name__ == "__main__":
+    main()
