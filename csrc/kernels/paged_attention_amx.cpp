@@ -271,13 +271,45 @@ AMX_ATTENTION float row_softmax(Tile &tl, int j, int p0, float scale, const floa
 // Tiles of this many rows or fewer take row_softmax.
 constexpr int kFewRows = 4;
 
+// The next block's K and V lines of the unit's KV heads, asked for a share at a time while
+// this block computes (attention_heads::prefetch_share; all at once, the requests beyond the
+// line fill buffers stalled the core): up to two runs of slots in one cache block each.
+struct Ahead {
+  attention_heads::NextRows rows[4];
+  int count = 0;
+  void ask() {
+    for (int i = 0; i < count; ++i) attention_heads::prefetch_share(&rows[i]);
+  }
+};
+
+// Ahead for positions [p, p + 32) ∩ [lo, hi), its lines spread over `asks` asks.
+Ahead next_block(const Call &c, const Unit &u, int p, int lo, int hi, int asks) {
+  Ahead a;
+  const int D = c.s.head_dim, bs = c.s.block_size, end = std::min(p + kKeys, hi);
+  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  const size_t stride = static_cast<size_t>(c.s.num_kv_heads) * D * 2;
+  const int lines = (u.kv_count * D * 2 + 63) / 64;
+  for (p = std::max(p, lo); p < end && a.count < 4;) {
+    const int run = std::min(end, (p / bs + 1) * bs) - p;
+    const size_t at = ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_first) * D * 2;
+    const int per = (run * lines + asks - 1) / asks;
+    a.rows[a.count++] = {reinterpret_cast<const char *>(c.k_cache) + at, stride, run, lines, per, 0};
+    a.rows[a.count++] = {reinterpret_cast<const char *>(c.v_cache) + at, stride, run, lines, per, 0};
+    p += run;
+  }
+  return a;
+}
+
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
-AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
+AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
+                         Ahead &ahead) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
   alignas(64) float alpha[kRows], ct[2 * kRows * 16];
+  ahead.ask();
   block_scores(s, qt, D, st);
+  ahead.ask();
   if (tl.count > kFewRows) {
     _mm512_store_ps(alpha, tile_softmax(tl, p0, c.scale, st, pa));
   } else {
@@ -294,6 +326,7 @@ AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32
     _tile_dpbf16ps(7, 4, 2);
     _tile_stored(6, ct, 64);
     _tile_stored(7, ct + kRows * 16, 64);
+    ahead.ask();
     for (int j = 0; j < tl.count; ++j)
       for (int e = 0; e < 2; ++e) {
         float *oj = o + j * D + (part + e) * 16;
@@ -340,9 +373,12 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
     gather_values(c, u, p0, lo, hi, s.kv.data());
     for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
-    for (int k = 0; k < n_tiles; ++k)  // a block outside a tile's rows' contexts would leave them as they are
+    int active = 0;  // a block outside a tile's rows' contexts would leave them as they are
+    for (int k = 0; k < n_tiles; ++k) active += p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo;
+    Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + D / 32));
+    for (int k = 0; k < n_tiles; ++k)
       if (p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo)
-        block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0);
+        block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0, ahead);
   }
   _tile_release();
   for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);

@@ -6,12 +6,11 @@ torch rounds) laid out for `vdpbf16ps`, so each product rounds its input rows to
 accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h). Between the products
 the hidden states stay fp32: RMSNorm, RoPE, softmax and the residual adds run in fp32, as
 vLLM's CPU backend runs them, and the KV cache is bf16 (the runner allocates it in the
-compute dtype; the attention kernel widens it to fp32 as it reads). With
-DEEPINFER_DP_BF16_ATTENTION=1 attention computes in bf16 too where the CPU has AMX tiles
+compute dtype). Where the CPU has AMX tiles attention computes in bf16 too
 (csrc/kernels/paged_attention_amx.h: the rounded query times the bf16 cache, the
-probabilities rounded for the values' product, fp32 accumulation and softmax): a long
-prompt's prefill attention runs 3x faster, but decode attention over long contexts about
-1.4x slower (docs/benchmarks.md), so it is not the default yet. The model is still an fp32 module
+probabilities rounded for the values' product, fp32 accumulation and softmax), as vLLM's CPU
+backend does; elsewhere, or with DEEPINFER_DP_BF16_ATTENTION=0, the attention kernel widens
+the cache to fp32 as it reads. The model is still an fp32 module
 tree, so the one-call decode stack (llama_cpu_decode.py) takes it unchanged.
 """
 
@@ -25,8 +24,8 @@ from torch import nn
 from deepinfer_dp.layers.attention import Attention
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 
-# Attention in bf16 on AMX as well (read at import; tests set it).
-BF16_ATTENTION = os.environ.get("DEEPINFER_DP_BF16_ATTENTION", "0") == "1"
+# Attention in bf16 on AMX as well (read at import; "0" compares against fp32 attention).
+BF16_ATTENTION = os.environ.get("DEEPINFER_DP_BF16_ATTENTION", "1") != "0"
 
 
 def to_bf16_compute(model: nn.Module) -> int:

@@ -14,6 +14,7 @@ from model_utils import build_tiny_model, prompts_of_lengths, token_ids
 from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import _C, LLM, SamplingParams
+from deepinfer_dp.layers.attention import attention_layers
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear
 from deepinfer_dp.models import bf16_compute, llama_cpu_decode
 
@@ -41,7 +42,7 @@ def make_llm(model_dir: str, **kw) -> LLM:
                max_model_len=128, torch_threads=2, **kw)
 
 
-def run(model_dir: str, monkeypatch, stack: bool = True, prompts=PROMPTS, bf16_attention: bool = False
+def run(model_dir: str, monkeypatch, stack: bool = True, prompts=PROMPTS, bf16_attention: bool = True
         ) -> tuple[list, list]:
     """Token ids and every step's logits."""
     monkeypatch.setattr(llama_cpu_decode, "ENABLED", stack)
@@ -66,6 +67,8 @@ def test_products_run_in_bf16_and_the_cache_is_bf16(bf16_dirs):
         assert embed.weight_packed is runner.model.lm_head.weight_packed  # tied: one matrix
         assert {k.dtype for k, _ in runner.kv_caches} == {torch.bfloat16}
         assert {p.dtype for p in runner.model.parameters()} == {torch.float32}  # norms stay fp32
+        # attention asks for bf16 arithmetic (the kernel takes it where AMX allows)
+        assert {a.bf16_math for a in attention_layers(runner.model)} == {bf16_compute.BF16_ATTENTION}
     finally:
         llm.shutdown()
 
@@ -91,10 +94,10 @@ def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch, kind, bf16_at
 
 @pytest.mark.skipif(not _C.bf16_attention_amx(32), reason="needs AMX-BF16")
 def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
-    """With DEEPINFER_DP_BF16_ATTENTION, qwen3-qknorm's head size 32 takes the AMX tiles: its
-    logits differ from those with attention in fp32 over the widened cache, and not by much."""
+    """qwen3-qknorm's head size 32 takes the AMX tiles: its logits differ from those with
+    attention in fp32 over the widened cache (DEEPINFER_DP_BF16_ATTENTION=0), and not by much."""
     _, bf16_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch, bf16_attention=True)
-    _, fp32_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch)
+    _, fp32_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch, bf16_attention=False)
     assert len(bf16_logits) == len(fp32_logits) > 10
     assert not all(torch.equal(a, b) for a, b in zip(bf16_logits, fp32_logits, strict=True))
     first = (bf16_logits[0] - fp32_logits[0]).abs().max() / fp32_logits[0].abs().max()
