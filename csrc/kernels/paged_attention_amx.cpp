@@ -130,10 +130,8 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
   std::memset(o, 0, sizeof(float) * kRows * D);
 }
 
-// Positions [p0, p0 + 32) of the unit's KV head: K as the scores' A tiles, zeros outside
-// [lo, hi) (a cache slot past every row's context may hold anything, NaN included), and V laid
-// out as B tiles (same zeros): pair row k of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16
-// dimensions d of the 32-dimension chunk ch that unpacklo (half 0) or unpackhi (half 1) picks.
+// Positions [p0, p0 + 32) of KV head kv's K as the scores' A tiles, zeros outside [lo, hi) (a
+// cache slot past every row's context may hold anything, NaN included).
 AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
   const int D = c.s.head_dim, bs = c.s.block_size;
   const int32_t *table = c.tables + static_cast<size_t>(table_row) * c.s.max_blocks;

@@ -74,11 +74,15 @@ def test_every_query_row_gets_its_own_floats(heads, kv_heads, head_dim, block_si
 
 
 def test_decode_rows_equal_the_same_queries_in_a_prefill():
-    q, caches, table, rows, lens = make_case([90, 40, 5], 9, 3, 64, 16, seed=2)
+    """Six decode tokens on two threads take all their KV heads in one unit each (whole cache
+    blocks), the prefill's queries one KV head a unit: the same floats."""
+    seq_lens = [90, 40, 5, 33, 64, 17]
+    q, caches, table, rows, lens = make_case(seq_lens, 9, 3, 64, 16, seed=2)
     here = attend(q, caches, table, rows, lens)
-    last = np.cumsum([90, 40, 5]) - 1  # each sequence's last position, as a decode token
+    last = np.cumsum(seq_lens) - 1  # each sequence's last position, as a decode token
     decode = attend(q[last], caches, table, None, lens[last])
     assert np.array_equal(decode, here[last])
+    assert np.array_equal(attend(q[last], caches, table, None, lens[last], threads=1), decode)
 
 
 def test_an_fp32_cache_keeps_fp32_arithmetic():
