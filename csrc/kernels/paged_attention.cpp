@@ -61,20 +61,7 @@ int span_queries(int num_queries, int threads) {
   return std::max(kChunkQueries, std::min(fit, prefill_span_limit()));
 }
 
-struct Span {
-  int first, count;
-};
-
-std::vector<Span> query_spans(const int32_t *rows, int n, int most) {
-  std::vector<Span> spans;
-  for (int i = 0; i < n; ++i) {
-    if (rows && !spans.empty() && spans.back().count < most && rows[spans.back().first] == rows[i])
-      ++spans.back().count;
-    else
-      spans.push_back({i, 1});
-  }
-  return spans;
-}
+using Span = QuerySpan;
 
 // Cuts the units (span u / per_span, its KV heads part u % per_span) into up to `parts` ranges
 // [cuts[i], cuts[i + 1]) of about equal total context (a unit's work grows with its queries'
@@ -231,6 +218,17 @@ void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_
   }
   uint16_t *dst = static_cast<uint16_t *>(cache) + offset;
   for (size_t i = 0; i < n; ++i) dst[i] = bf16_from_float(src[i]);
+}
+
+std::vector<QuerySpan> query_spans(const int32_t *rows, int n, int most) {
+  std::vector<QuerySpan> spans;
+  for (int i = 0; i < n; ++i) {
+    if (rows && !spans.empty() && spans.back().count < most && rows[spans.back().first] == rows[i])
+      ++spans.back().count;
+    else
+      spans.push_back({i, 1});
+  }
+  return spans;
 }
 
 void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const void *k_cache, const void *v_cache,

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace deepinfer {
 
@@ -56,6 +57,15 @@ void paged_attention_threaded(const PagedAttentionShape &shape, const float *q, 
                               const void *v_cache, KvDtype dtype, const int32_t *block_tables,
                               const int32_t *query_rows, const int32_t *context_lens, float scale, float *out,
                               int threads);
+
+// Queries [first, first + count) of a call: consecutive queries of one block-table row, which
+// share its K/V blocks.
+struct QuerySpan {
+  int first, count;
+};
+
+// The call's queries as spans of at most `most` (query_rows nullptr: each query its own row).
+std::vector<QuerySpan> query_spans(const int32_t *query_rows, int num_queries, int most);
 
 // What is wrong with the contexts of a call, or "" when nothing is: every query's row lies in
 // the block table, its context length in [1, the row's capacity] (and under 2^24), and the

@@ -71,6 +71,13 @@ struct Scratch {
   std::vector<KvBlock> kv;     // the unit's KV heads' current block
 };
 
+// Where position p of block-table row `table_row` starts in a cache: its first KV head's element.
+size_t slot_at(const Call &c, int table_row, int p) {
+  const int bs = c.s.block_size;
+  const int32_t block = c.tables[static_cast<size_t>(table_row) * c.s.max_blocks + p / bs];
+  return (static_cast<size_t>(block) * bs + p % bs) * c.s.num_kv_heads * c.s.head_dim;
+}
+
 // 16 x 16 dwords transposed in registers: r[i] lane c -> r[c] lane i.
 AMX_ATTENTION void transpose16(__m512i r[16]) {
   __m512i a[16], b[16];
@@ -133,11 +140,8 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
 // Positions [p0, p0 + 32) of KV head kv's K as the scores' A tiles, zeros outside [lo, hi) (a
 // cache slot past every row's context may hold anything, NaN included).
 AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
-  const int D = c.s.head_dim, bs = c.s.block_size;
-  const int32_t *table = c.tables + static_cast<size_t>(table_row) * c.s.max_blocks;
-  auto row_at = [&](int p) {
-    return ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + kv) * D;
-  };
+  const int D = c.s.head_dim;
+  auto row_at = [&](int p) { return slot_at(c, table_row, p) + static_cast<size_t>(kv) * D; };
   // Each 16-position half of K as the A tile: read in place when its rows are 16 slots of one
   // cache block, all inside [lo, hi); else copied into s.k with zeros.
   for (int h = 0; h < 2; ++h) {
@@ -163,11 +167,9 @@ AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int
 // chunk ch that unpacklo (half 0) or unpackhi (half 1) picks. A position's heads are read
 // together, so a cache block is read front to back.
 AMX_ATTENTION void gather_values(const Call &c, const Unit &u, int p0, int lo, int hi, KvBlock *blocks) {
-  const int D = c.s.head_dim, bs = c.s.block_size;
-  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
+  const int D = c.s.head_dim;
   auto heads_at = [&](int p) -> const uint16_t * {
-    if (p < lo || p >= hi) return nullptr;
-    return c.v_cache + ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_first) * D;
+    return p < lo || p >= hi ? nullptr : c.v_cache + slot_at(c, u.table_row, p) + static_cast<size_t>(u.kv_first) * D;
   };
   for (int k = 0; k < kKeys / 2; ++k) {
     const uint16_t *ra = heads_at(p0 + 2 * k), *rb = heads_at(p0 + 2 * k + 1);
@@ -284,12 +286,11 @@ struct Ahead {
 Ahead next_block(const Call &c, const Unit &u, int p, int lo, int hi, int asks) {
   Ahead a;
   const int D = c.s.head_dim, bs = c.s.block_size, end = std::min(p + kKeys, hi);
-  const int32_t *table = c.tables + static_cast<size_t>(u.table_row) * c.s.max_blocks;
   const size_t stride = static_cast<size_t>(c.s.num_kv_heads) * D * 2;
   const int lines = (u.kv_count * D * 2 + 63) / 64;
   for (p = std::max(p, lo); p < end && a.count < 4;) {
     const int run = std::min(end, (p / bs + 1) * bs) - p;
-    const size_t at = ((static_cast<size_t>(table[p / bs]) * bs + p % bs) * c.s.num_kv_heads + u.kv_first) * D * 2;
+    const size_t at = (slot_at(c, u.table_row, p) + static_cast<size_t>(u.kv_first) * D) * 2;  // bytes
     const int per = (run * lines + asks - 1) / asks;
     a.rows[a.count++] = {reinterpret_cast<const char *>(c.k_cache) + at, stride, run, lines, per, 0};
     a.rows[a.count++] = {reinterpret_cast<const char *>(c.v_cache) + at, stride, run, lines, per, 0};
@@ -371,11 +372,13 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
     gather_values(c, u, p0, lo, hi, s.kv.data());
     for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
-    int active = 0;  // a block outside a tile's rows' contexts would leave them as they are
-    for (int k = 0; k < n_tiles; ++k) active += p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo;
+    // A block outside a tile's rows' contexts would leave them as they are: skipped.
+    auto touches = [&](int k) { return p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo; };
+    int active = 0;
+    for (int k = 0; k < n_tiles; ++k) active += touches(k);
     Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + D / 32));
     for (int k = 0; k < n_tiles; ++k)
-      if (p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo)
+      if (touches(k))
         block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0, ahead);
   }
   _tile_release();
@@ -388,25 +391,21 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
 // rows; else each KV head's rows go in units of up to kGroupTiles tiles. The costliest first,
 // so that the threads finish together.
 std::vector<Unit> make_units(const Call &c, int threads) {
-  const int T = c.s.num_queries, G = c.s.num_heads / c.s.num_kv_heads, most = kGroupTiles * kRows;
-  int spans = 0;
-  for (int i = 0; i < T; ++i) spans += !c.rows || i == 0 || c.rows[i] != c.rows[i - 1];
-  const bool whole_blocks = spans >= 2 * threads;
+  const int G = c.s.num_heads / c.s.num_kv_heads, most = kGroupTiles * kRows;
+  const std::vector<QuerySpan> spans = query_spans(c.rows, c.s.num_queries, INT_MAX);
+  const bool whole_blocks = static_cast<int>(spans.size()) >= 2 * threads;
   std::vector<Unit> units;
-  for (int i = 0; i < T;) {
-    const int row = c.rows ? c.rows[i] : i;
-    int j = i + 1;
-    while (j < T && c.rows && c.rows[j] == row) ++j;
-    for (int b = 0; b < (j - i) * G; b += most) {
-      const int e = std::min((j - i) * G, b + most);
+  for (const QuerySpan &sp : spans) {
+    const int i = sp.first, rows = sp.count * G, table_row = c.rows ? c.rows[i] : i;
+    for (int b = 0; b < rows; b += most) {
+      const int e = std::min(rows, b + most);
       int64_t cost = 0;
       for (int t = i + b / G; t <= i + (e - 1) / G; ++t) cost += c.lens[t] - window_start(c.lens[t], c.s.window);
-      if (whole_blocks && (j - i) * G <= kRows)
-        units.push_back({row, 0, c.s.num_kv_heads, i, b, e, cost * c.s.num_kv_heads});
+      if (whole_blocks && rows <= kRows)
+        units.push_back({table_row, 0, c.s.num_kv_heads, i, b, e, cost * c.s.num_kv_heads});
       else
-        for (int h = 0; h < c.s.num_kv_heads; ++h) units.push_back({row, h, 1, i, b, e, cost});
+        for (int h = 0; h < c.s.num_kv_heads; ++h) units.push_back({table_row, h, 1, i, b, e, cost});
     }
-    i = j;
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit &a, const Unit &b) { return a.cost > b.cost; });
   return units;
