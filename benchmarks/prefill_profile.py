@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from deepinfer_dp import _C, LLM, SamplingParams
-from deepinfer_dp.layers import attention, linear, packed
+from deepinfer_dp.layers import activation, attention, linear, norm, packed, rotary
 from deepinfer_dp.models import default_model_path
 
 SPENT: collections.Counter = collections.Counter()
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true",
                     help="batch_invariant=False: long prefills take torch's SDPA (timed apart)")
     args = ap.parse_args()
-    for module in (packed, attention, linear):
+    for module in (packed, attention, linear, norm, rotary, activation):
         module._C = Timed(_C)
     attention._causal_attention = timed("sdpa", attention._causal_attention)
     attention._attention_with_context = timed("sdpa_with_context", attention._attention_with_context)
