@@ -12,7 +12,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #include <immintrin.h>
 
-#include "attention_softmax.h"
+#include "paged_attention_heads.h"
 #define DEEPINFER_AMX_ATTENTION 1
 #endif
 
@@ -28,7 +28,25 @@ constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each
 
 #define AMX_ATTENTION __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
 
-using attention_softmax::exp_nonpositive16;
+// 2^x for x <= 0 on 16 lanes: x = n + f with n = round(x), 2^f by Cephes' exp2f polynomial on
+// [-0.5, 0.5] (relative error about 2e-7), times 2^n by vscalefps. The softmax runs in base 2
+// (scores times scale * log2(e)): about half the instructions of an e^x by ln 2 reduction, and
+// the exps are most of a prefill block's work.
+AMX_ATTENTION __m512 exp2_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));  // below 2^-126 the result is ~0 either way
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.535336188319500e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.339887440266574e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618437357674640e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550332471162809e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402264791363012e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931472028550421e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+constexpr float kLog2e = 1.44269504088896341f;
 
 // The call, as every unit reads it.
 struct Call {
@@ -53,6 +71,7 @@ struct alignas(64) Tile {
   float m[kRows], l[kRows];          // running max and denominator
   int t[kRows], head[kRows];
   int count, lo, hi;                 // rows in use; positions some row sees: [lo, hi)
+  int all_lo, all_hi;                // positions every row in use sees: [all_lo, all_hi)
 };
 
 // One KV head's block of 32 positions, as the tiles read it.
@@ -106,8 +125,8 @@ AMX_ATTENTION void transpose16(__m512i r[16]) {
 AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, Tile &tl, uint32_t *qt, float *o) {
   const int D = c.s.head_dim, G = c.s.num_heads / c.s.num_kv_heads;
   tl.count = std::min(kRows, u.end - first);
-  tl.lo = INT_MAX;
-  tl.hi = 0;
+  tl.lo = tl.all_hi = INT_MAX;
+  tl.hi = tl.all_lo = 0;
   alignas(64) uint16_t qb[kRows][kMaxDim];
   for (int j = 0; j < kRows; ++j) {
     tl.m[j] = -INFINITY;
@@ -124,6 +143,8 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
     tl.start[j] = window_start(tl.len[j], c.s.window);
     tl.lo = std::min(tl.lo, tl.start[j]);
     tl.hi = std::max(tl.hi, tl.len[j]);
+    tl.all_lo = std::max(tl.all_lo, tl.start[j]);
+    tl.all_hi = std::min(tl.all_hi, tl.len[j]);
     const float *src = c.q + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
     for (int d = 0; d < D; d += 16)
       _mm256_store_si256(reinterpret_cast<__m256i *>(qb[j] + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
@@ -199,33 +220,50 @@ AMX_ATTENTION void block_scores(const KvBlock &s, const uint32_t *qt, int D, flo
   _tile_stored(1, st[16], 64);
 }
 
-// The softmax's step over one block for every row of the tile, lane by lane: the new max and
-// the rescale factor alpha (exactly 1 for a row whose max did not grow), the denominator
-// (the block's probabilities summed by a fixed halving tree over its 32 positions, as
-// row_softmax sums them), and the probabilities rounded to bf16 as the A tile of the values'
-// product (pa: [row][position], 64 bytes a row).
+// Words [a0..a15, b0..b15] as pairs [a0, b0, a1, b1, ...]: lane j (a[j], b[j]), one vpermw.
+AMX_ATTENTION __m512i interleave_pairs(__m512i x) {
+  alignas(64) static const uint16_t index[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(index), x);
+}
+
+// The softmax's step over one block for every row of the tile, lane by lane, in base 2 (the
+// scores times scale * log2(e), tl.m in those units): the new max and the rescale factor
+// alpha (exactly 1 for a row whose max did not grow), the denominator (the block's
+// probabilities summed by a fixed halving tree over its 32 positions, as row_softmax sums
+// them), and the probabilities rounded to bf16 as the A tile of the values' product (pa:
+// [row][position], 64 bytes a row). A block inside every row's context (most of a long
+// prefill's) skips the per-position masks: the same floats. The exps' arguments are explicit
+// fmsubs in both forms: left as a product and a difference, the compiler fuses them in one form
+// and not the other.
 AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
-  const __m512i len = _mm512_load_si512(tl.len), start = _mm512_load_si512(tl.start);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  const __m512 c = _mm512_set1_ps(scale * kLog2e);
   __mmask16 valid[kKeys];
-  __m512 bmax = neg_inf;
-  for (int i = 0; i < kKeys; ++i) {
-    const __m512i pos = _mm512_set1_epi32(p0 + i);
-    valid[i] = _mm512_cmpgt_epi32_mask(len, pos) & _mm512_cmple_epi32_mask(start, pos);
-    bmax = _mm512_mask_max_ps(bmax, valid[i], bmax, _mm512_mul_ps(_mm512_load_ps(st[i]), sc));
+  if (p0 >= tl.all_lo && p0 + kKeys <= tl.all_hi) {
+    const __mmask16 in_use = static_cast<__mmask16>((1u << tl.count) - 1);
+    for (int i = 0; i < kKeys; ++i) valid[i] = in_use;
+  } else {
+    const __m512i len = _mm512_load_si512(tl.len), start = _mm512_load_si512(tl.start);
+    for (int i = 0; i < kKeys; ++i) {
+      const __m512i pos = _mm512_set1_epi32(p0 + i);
+      valid[i] = _mm512_cmpgt_epi32_mask(len, pos) & _mm512_cmple_epi32_mask(start, pos);
+    }
   }
+  __m512 most[4];  // four chains of maxes, not one waiting on each one's latency (a max is exact in any order)
+  for (int i = 0; i < 4; ++i) most[i] = _mm512_set1_ps(-INFINITY);
+  for (int i = 0; i < kKeys; ++i)
+    most[i % 4] = _mm512_mask_max_ps(most[i % 4], valid[i], most[i % 4], _mm512_mul_ps(_mm512_load_ps(st[i]), c));
+  const __m512 bmax = _mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]));
   const __m512 m_old = _mm512_load_ps(tl.m), m_new = _mm512_max_ps(m_old, bmax);
   const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
-  const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp_nonpositive16(_mm512_sub_ps(m_old, m_new)));
+  const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp2_nonpositive16(_mm512_sub_ps(m_old, m_new)));
   __m512 p[kKeys];
   for (int i = 0; i < kKeys; ++i)
-    p[i] = _mm512_maskz_mov_ps(valid[i], exp_nonpositive16(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st[i]), sc), m_new)));
+    p[i] = _mm512_maskz_mov_ps(valid[i], exp2_nonpositive16(_mm512_fmsub_ps(_mm512_load_ps(st[i]), c, m_new)));
   __m512i w[16];
-  for (int k = 0; k < kKeys / 2; ++k) {  // lane j: row j's pair k
-    const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * k]));
-    const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * k + 1]));
-    w[k] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
-  }
+  for (int k = 0; k < kKeys / 2; ++k)  // lane j: row j's pair k
+    w[k] = (__m512i)_mm512_cvtne2ps_pbh(p[2 * k + 1], p[2 * k]);
+  for (int k = 0; k < kKeys / 2; ++k) w[k] = interleave_pairs(w[k]);
   for (int n = kKeys / 2; n >= 1; n /= 2)
     for (int i = 0; i < n; ++i) p[i] = _mm512_add_ps(p[i], p[i + n]);
   _mm512_store_ps(tl.m, m_new);
@@ -241,22 +279,22 @@ AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys]
 AMX_ATTENTION float row_softmax(Tile &tl, int j, int p0, float scale, const float st[kKeys][kRows], uint32_t *pa) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(kRows)), _mm512_set1_epi32(j));
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  const __m512 c = _mm512_set1_ps(scale * kLog2e);
   __m512 s[2];
   __mmask16 valid[2];
-  __m512 bmax = neg_inf;
+  __m512 bmax = _mm512_set1_ps(-INFINITY);
   for (int h = 0; h < 2; ++h) {
     const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(p0 + 16 * h));
     valid[h] = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(tl.len[j]), pos) &
                _mm512_cmple_epi32_mask(_mm512_set1_epi32(tl.start[j]), pos);
-    s[h] = _mm512_mul_ps(_mm512_i32gather_ps(column, st[16 * h], 4), sc);
-    bmax = _mm512_mask_max_ps(bmax, valid[h], bmax, s[h]);
+    s[h] = _mm512_i32gather_ps(column, st[16 * h], 4);
+    bmax = _mm512_mask_max_ps(bmax, valid[h], bmax, _mm512_mul_ps(s[h], c));
   }
   const float m_old = tl.m[j], m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
-  const float alpha = m_new > m_old ? _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(m_old - m_new))) : 1.f;
+  const float alpha = m_new > m_old ? _mm512_cvtss_f32(exp2_nonpositive16(_mm512_set1_ps(m_old - m_new))) : 1.f;
   __m512 p[2];
   for (int h = 0; h < 2; ++h)
-    p[h] = _mm512_maskz_mov_ps(valid[h], exp_nonpositive16(_mm512_sub_ps(s[h], _mm512_set1_ps(m_new))));
+    p[h] = _mm512_maskz_mov_ps(valid[h], exp2_nonpositive16(_mm512_fmsub_ps(s[h], c, _mm512_set1_ps(m_new))));
   _mm512_store_si512(pa + j * 16, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
   __m512 x = _mm512_add_ps(p[0], p[1]);                     // positions i and i + 16
   x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x0E));  // + i + 8
@@ -299,13 +337,25 @@ Ahead next_block(const Call &c, const Unit &u, int p, int lo, int hi, int asks) 
   return a;
 }
 
+// o[row] (from column `o`'s first) = o[row] * alpha[row] + the row of each of `tiles` value
+// tiles stored in ct.
+AMX_ATTENTION void add_values(const Tile &tl, const float *alpha, const float *ct, float *o, int D, int tiles) {
+  for (int j = 0; j < tl.count; ++j) {
+    const __m512 a = _mm512_set1_ps(alpha[j]);
+    for (int e = 0; e < tiles; ++e) {
+      float *oj = o + j * D + e * 16;
+      _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), a, _mm512_load_ps(ct + (e * kRows + j) * 16)));
+    }
+  }
+}
+
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
 AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
                          Ahead &ahead) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
-  alignas(64) float alpha[kRows], ct[2 * kRows * 16];
+  alignas(64) float alpha[kRows], ct[4 * kRows * 16];
   ahead.ask();
   block_scores(s, qt, D, st);
   ahead.ask();
@@ -316,7 +366,30 @@ AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32
     std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
   }
   _tile_loadd(4, pa, 64);
-  for (int part = 0; part < D / 16; part += 2) {  // two value tiles side by side: C 6 and 7, V rows in 5 and 2
+  // Four value tiles at once (C 6, 7, 0, 1; V rows in 5, 2, 3, then 5 again), then two: the
+  // products overlap, and each store waits on one product's latency, not on a chain of them.
+  int part = 0;
+  for (; part + 4 <= D / 16; part += 4) {
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(5, s.vb + part * 16 * 32, 64);
+    _tile_loadd(2, s.vb + (part + 1) * 16 * 32, 64);
+    _tile_loadd(3, s.vb + (part + 2) * 16 * 32, 64);
+    _tile_dpbf16ps(6, 4, 5);
+    _tile_dpbf16ps(7, 4, 2);
+    _tile_dpbf16ps(0, 4, 3);
+    _tile_loadd(5, s.vb + (part + 3) * 16 * 32, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_stored(6, ct, 64);
+    _tile_stored(7, ct + kRows * 16, 64);
+    _tile_stored(0, ct + 2 * kRows * 16, 64);
+    _tile_stored(1, ct + 3 * kRows * 16, 64);
+    ahead.ask();
+    add_values(tl, alpha, ct, o + part * 16, D, 4);
+  }
+  if (part < D / 16) {
     _tile_zero(6);
     _tile_zero(7);
     _tile_loadd(5, s.vb + part * 16 * 32, 64);
@@ -326,12 +399,7 @@ AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32
     _tile_stored(6, ct, 64);
     _tile_stored(7, ct + kRows * 16, 64);
     ahead.ask();
-    for (int j = 0; j < tl.count; ++j)
-      for (int e = 0; e < 2; ++e) {
-        float *oj = o + j * D + (part + e) * 16;
-        const __m512 sum = _mm512_load_ps(ct + (e * kRows + j) * 16);
-        _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), _mm512_set1_ps(alpha[j]), sum));
-      }
+    add_values(tl, alpha, ct, o + part * 16, D, 2);
   }
 }
 
@@ -376,7 +444,7 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
     auto touches = [&](int k) { return p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo; };
     int active = 0;
     for (int k = 0; k < n_tiles; ++k) active += touches(k);
-    Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + D / 32));
+    Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + (D + 63) / 64));  // block()'s asks
     for (int k = 0; k < n_tiles; ++k)
       if (touches(k))
         block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0, ahead);
