@@ -30,4 +30,11 @@ void amx_configure_tiles();
 void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
                       int n1);
 
+// An MLP's gate/up product and its activation in one pass, for w the gate rows then the up
+// rows (I = w.rows / 2 each, a multiple of 16): out[m, j] = silu(g) * u (cpu_fused_ops.h's
+// silu_mul, so its floats) for j in [j0, j1) (multiples of 16, or j1 = I), g and u the
+// products of input row m with gate row j and up row I + j, as bf16_amx_columns computes
+// them. out is [M, I]; the [M, 2I] product is never written out.
+void bf16_amx_silu_mul(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1);
+
 }  // namespace deepinfer

@@ -5,6 +5,7 @@
 #include <functional>
 #include <vector>
 
+#include "bf16_amx.h"
 #include "bf16_linear.h"
 #include "cpu_linear.h"
 #include "packed_blocks.h"
@@ -212,33 +213,59 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
 
 }  // namespace
 
+namespace {
+
+// x [M, K] rounded to bf16 into the calling thread's reused buffer, its rows split among the
+// threads (each thread of a product rounding all of them would repeat the work), padded with
+// zero rows to AMX's whole tiles.
+const uint16_t *rounded_rows(const float *x, int M, int K, int threads) {
+  thread_local std::vector<uint16_t> xb;  // (the workers' own `xb` in bf16_linear.cpp are other vectors)
+  const size_t rows = bf16_rows_padded(M);
+  xb.resize(rows * K);
+  std::fill(xb.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(M) * K), xb.end(), uint16_t{0});
+  uint16_t *rounded = xb.data();
+  split_rows(M, threads, [&](int begin, int end) {
+    bf16_round_rows(x + static_cast<size_t>(begin) * K, end - begin, K, rounded + static_cast<size_t>(begin) * K);
+  });
+  return rounded;
+}
+
+// Input rows an AMX product takes at a time: a block in L2 (input_row_block) in whole pairs
+// of 16-row tiles (a block ending inside a tile would compute the next block's rows in it too).
+int amx_row_block(int K) { return std::max(32, input_row_block(K) / 32 * 32); }
+
+}  // namespace
+
 void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads) {
-  if (w.format == WeightFormat::kBF16Pairs) {
-    // The inputs rounded to bf16 once, their rows split among the threads: through
-    // packed_linear_columns each thread of the product would round all of them.
-    thread_local std::vector<uint16_t> xb;
-    const size_t K = w.cols, rows = bf16_rows_padded(M);
-    xb.resize(rows * K);
-    std::fill(xb.begin() + static_cast<std::ptrdiff_t>(M * K), xb.end(), uint16_t{0});  // AMX's whole tiles
-    uint16_t *rounded = xb.data();  // (the workers' own `xb` are other vectors)
-    split_rows(M, threads, [&](int begin, int end) {
-      bf16_round_rows(x + begin * K, end - begin, w.cols, rounded + begin * K);
-    });
-    return bf16_pairs_threaded(rounded, w, bias, y, M, threads);
-  }
+  if (w.format == WeightFormat::kBF16Pairs)
+    return bf16_pairs_threaded(rounded_rows(x, M, w.cols, threads), w, bias, y, M, threads);
   threaded_rows(w, threads, {}, [&](int begin, int end, SideLines *) {
     packed_linear_columns(x, w, bias, y, M, begin, end);
+  });
+}
+
+bool bf16_silu_mul_fits(const PackedMatrix &w) {
+  return w.format == WeightFormat::kBF16Pairs && bf16_amx_multiplies(w, bf16_dot_default_path()) && w.rows % 32 == 0;
+}
+
+void bf16_silu_mul_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads) {
+  const uint16_t *xb = rounded_rows(x, M, w.cols, threads);
+  const int K = w.cols, I = w.rows / 2, blocks = I / 16, block = amx_row_block(K);
+  const int parts = std::min(blocks, packed_thread_parts(w, w.rows, threads)), step = (blocks + parts - 1) / parts;
+  shared_pool(parts).run(parts, parts, [&](int p) {
+    const int j0 = std::min(blocks, p * step) * 16, j1 = std::min(blocks, (p + 1) * step) * 16;
+    for (int m = 0; m < M && j0 < j1; m += block)
+      bf16_amx_silu_mul(xb + static_cast<size_t>(m) * K, w, out + static_cast<size_t>(m) * I, std::min(block, M - m),
+                        j0, j1);
   });
 }
 
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side) {
   const Bf16DotPath path = bf16_dot_default_path();
-  // A block of input rows in L2 at a time, as packed_linear_columns takes them; on AMX whole
-  // pairs of tiles of 16 rows (a block ending inside a tile would compute the next block's rows
-  // in it too).
-  const int K = w.cols, N = w.rows, rows = input_row_block(K);
-  const int block = bf16_amx_multiplies(w, path) ? std::max(32, rows / 32 * 32) : rows;
+  // A block of input rows in L2 at a time, as packed_linear_columns takes them.
+  const int K = w.cols, N = w.rows;
+  const int block = bf16_amx_multiplies(w, path) ? amx_row_block(K) : input_row_block(K);
   threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
     for (int m = 0; m < M; m += block)
       bf16_pairs_columns_rounded(xb + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,

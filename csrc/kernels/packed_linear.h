@@ -45,6 +45,15 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side = {});
 
+// Whether bf16_silu_mul_threaded takes w: a bf16_pairs matrix of gate then up rows that the
+// default bf16 path multiplies on AMX tiles, each half a whole number of 16-row blocks.
+bool bf16_silu_mul_fits(const PackedMatrix &w);
+
+// An MLP's silu(x Gᵀ) * (x Uᵀ) into out [M, w.rows / 2] for w = [G; U] (bf16_silu_mul_fits):
+// bf16_amx_silu_mul over the gate blocks split across up to `threads` threads. The floats of
+// packed_linear_threaded's product followed by silu_mul, without writing the product out.
+void bf16_silu_mul_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads);
+
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).
 void widen_rows(const PackedMatrix &w, int begin, int end, float *out);

@@ -17,6 +17,7 @@ from deepinfer_dp.layers.activation import silu_and_mul
 from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
 from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
+from deepinfer_dp.layers.packed import PackedLinear
 from deepinfer_dp.layers.rotary import RotaryEmbedding, make_rotary, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 from deepinfer_dp.utils.cpu_malloc import resident_zeros
@@ -145,7 +146,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, PackedLinear) and gate_up.fuses_silu_mul():  # bf16 on AMX: one pass, same floats
+            return self.down_proj(gate_up.silu_and_mul(x))
+        return self.down_proj(silu_and_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

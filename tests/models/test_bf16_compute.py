@@ -104,6 +104,22 @@ def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
     assert first < 0.05, first
 
 
+@pytest.mark.skipif(not _C.bf16_silu_mul_fits(256, 64), reason="needs AMX-BF16")
+def test_mlp_gate_up_and_activation_in_one_pass_change_no_float(bf16_dirs, monkeypatch):
+    """On AMX the MLP's gate/up product and SiLU run as one pass (PackedLinear.silu_and_mul):
+    the module path's logits equal those of the product and the activation apart."""
+    passes = []
+    one_pass = PackedLinear.silu_and_mul
+    monkeypatch.setattr(PackedLinear, "silu_and_mul", lambda self, x: passes.append(1) or one_pass(self, x))
+    ids, logits = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
+    assert passes
+    monkeypatch.setattr(PackedLinear, "fuses_silu_mul", lambda self: False)
+    ids_apart, logits_apart = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
+    assert ids == ids_apart and len(logits) == len(logits_apart) > 10
+    for a, b in zip(logits, logits_apart, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_greedy_tokens_mostly_match_transformers_in_bf16(bf16_dirs, monkeypatch):
     """Measured: 18 of 24 prompts identical over 16 tokens on llama-gqa (the first split at
     token 0-13 in the other 6); here at least half of 8 over 12 tokens."""
