@@ -104,7 +104,8 @@ class DeepseekMTP(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden)], dim=-1))
         self.context.attn_metadata = attn_metadata
         try:
-            return self.block(positions, x)
+            mlp_out, residual = self.block(positions, x)
+            return residual + mlp_out
         finally:
             self.context.attn_metadata = None
 

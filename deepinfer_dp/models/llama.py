@@ -160,10 +160,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
-        hidden, normed = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
-        return hidden + self.mlp(normed)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream under it): the next layer's input norm
+        (or the model's final one) adds the two as it normalizes, in the same pass, rather than
+        a separate add over every row. `hidden` is the previous layer's MLP output, or with
+        residual None the embeddings."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(positions, normed)
+        residual, normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
     def make_mlp(self, config, layer_index: int) -> nn.Module:
         """The layer's feed-forward block (mixture-of-experts models override this)."""
@@ -183,9 +192,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm.add_and_norm(hidden, residual)[1]
 
 
 # HF name of a separate projection -> (our fused parameter, shard index).
