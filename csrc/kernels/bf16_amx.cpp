@@ -1,6 +1,5 @@
 #include "bf16_amx.h"
 
-#include "cpu_fused_ops.h"
 #include "packed_linear_avx512.h"
 
 #include <algorithm>
@@ -145,7 +144,8 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
   _tile_release();
 }
 
-AMX_KERNEL void bf16_amx_silu_mul(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1) {
+AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1,
+                               GatedActivation act) {
   amx_configure_tiles();
   const int I = w.rows / 2;
   alignas(64) float c[4][kTile * kTile], h[kTile * kTile];
@@ -154,7 +154,7 @@ AMX_KERNEL void bf16_amx_silu_mul(const uint16_t *xb, const PackedMatrix &w, flo
       const bool two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
       stash(two_rows, c);
       for (int t = 0; t < (two_rows ? 2 : 1); ++t) {
-        silu_mul(c[2 * t], c[2 * t + 1], h, kTile * kTile);
+        act(c[2 * t], c[2 * t + 1], h, kTile * kTile);
         const int first = m + t * kTile;
         for (int r = first; r < std::min(first + kTile, M); ++r)
           _mm512_storeu_ps(out + static_cast<size_t>(r) * I + b * kTile, _mm512_load_ps(h + (r - first) * kTile));
@@ -167,7 +167,7 @@ AMX_KERNEL void bf16_amx_silu_mul(const uint16_t *xb, const PackedMatrix &w, flo
 void amx_configure_tiles() {}
 bool bf16_amx_available() { return false; }
 void bf16_amx_columns(const uint16_t *, const PackedMatrix &, const float *, float *, int, int, int) {}
-void bf16_amx_silu_mul(const uint16_t *, const PackedMatrix &, float *, int, int, int) {}
+void bf16_amx_gated(const uint16_t *, const PackedMatrix &, float *, int, int, int, GatedActivation) {}
 #endif
 
 }  // namespace deepinfer

@@ -30,11 +30,15 @@ void amx_configure_tiles();
 void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int n0,
                       int n1);
 
+// A gated activation over n floats: out = act(g) * u (cpu_fused_ops.h's silu_mul, gelu_tanh_mul).
+using GatedActivation = void (*)(const float *g, const float *u, float *out, int n);
+
 // An MLP's gate/up product and its activation in one pass, for w the gate rows then the up
-// rows (I = w.rows / 2 each, a multiple of 16): out[m, j] = silu(g) * u (cpu_fused_ops.h's
-// silu_mul, so its floats) for j in [j0, j1) (multiples of 16, or j1 = I), g and u the
-// products of input row m with gate row j and up row I + j, as bf16_amx_columns computes
-// them. out is [M, I]; the [M, 2I] product is never written out.
-void bf16_amx_silu_mul(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1);
+// rows (I = w.rows / 2 each, a multiple of 16): out[m, j] = act(g) * u for j in [j0, j1)
+// (multiples of 16), g and u the products of input row m with gate row j and up row I + j as
+// bf16_amx_columns computes them, act's floats. out is [M, I]; the [M, 2I] product is never
+// written out.
+void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1,
+                    GatedActivation act);
 
 }  // namespace deepinfer

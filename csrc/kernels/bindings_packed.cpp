@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_fused_ops.h"
 #include "packed_linear.h"
 #include "packed_parts.h"
 #include "thread_pool.h"
@@ -65,12 +66,16 @@ void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format,
   packed_linear_threaded(xp, w, bp, yp, M, num_threads);
 }
 
-void silu_mul_linear_py(const F32 &x, const U8 &weight, int cols, F32 &out, int num_threads) {
-  const char *op = "bf16_silu_mul_linear";
+void gated_linear_py(const F32 &x, const U8 &weight, int cols, F32 &out, int num_threads,
+                     const std::string &activation) {
+  const char *op = "bf16_gated_linear";
+  need(activation == "silu" || activation == "gelu_tanh", op,
+       "unknown activation '" + activation + "' (silu, gelu_tanh)");
+  const GatedActivation act = activation == "silu" ? silu_mul : gelu_tanh_mul;
   const PackedMatrix w = matrix(weight, "bf16_pairs", cols, op);
-  need(bf16_silu_mul_fits(w), op,
+  need(bf16_gated_fits(w), op,
        "want a bf16_pairs matrix of gate then up rows, each half a multiple of 16 rows, cols a multiple of 32, "
-       "on a CPU with AMX-BF16 (bf16_silu_mul_fits)");
+       "on a CPU with AMX-BF16 (bf16_gated_fits)");
   need(x.ndim() == 2 && x.shape(1) == cols, op, "want x [M, cols]");
   const int M = static_cast<int>(x.shape(0));
   need(out.ndim() == 2 && out.shape(0) == M && out.shape(1) == w.rows / 2 && out.writeable(), op,
@@ -79,7 +84,7 @@ void silu_mul_linear_py(const F32 &x, const U8 &weight, int cols, F32 &out, int 
   const float *xp = x.data();
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
-  bf16_silu_mul_threaded(xp, w, yp, M, num_threads);
+  bf16_gated_threaded(xp, w, yp, M, num_threads, act);
 }
 
 void packed_widen_py(const U8 &weight, const std::string &format, int cols, int begin, int end, F32 &out,
@@ -175,15 +180,16 @@ void bind_packed_kernels(py::module_ &m) {
         "q4_1, q5_0, q5_1, q8_0, q2_k-q6_k; weight holds its bytes, [N, bytes per row] uint8)\n"
         "and widened in cache; bit for bit\n"
         "what `linear` gives on the widened matrix. num_threads > 1 splits the output columns.");
-  m.def("bf16_silu_mul_linear", &silu_mul_linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
-        py::arg("cols"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
-        "out[M, I] = silu(x @ G.T) * (x @ U.T) for weight = [G; U] [2I, cols] in 'bf16_pairs' on AMX tiles:\n"
-        "the floats of packed_linear then silu_mul, the [M, 2I] product never written out.");
-  m.def("bf16_silu_mul_fits", [](int rows, int cols) {
-          return bf16_silu_mul_fits(PackedMatrix{nullptr, rows, cols, static_cast<size_t>(2 * cols),
-                                                 WeightFormat::kBF16Pairs});
+  m.def("bf16_gated_linear", &gated_linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
+        py::arg("cols"), py::arg("out").noconvert(), py::arg("num_threads") = 1, py::arg("activation") = "silu",
+        "out[M, I] = act(x @ G.T) * (x @ U.T) for weight = [G; U] [2I, cols] in 'bf16_pairs' on AMX tiles,\n"
+        "act 'silu' or 'gelu_tanh': the floats of packed_linear then silu_mul / gelu_tanh_mul, the [M, 2I]\n"
+        "product never written out.");
+  m.def("bf16_gated_fits", [](int rows, int cols) {
+          return bf16_gated_fits(PackedMatrix{nullptr, rows, cols, static_cast<size_t>(2 * cols),
+                                              WeightFormat::kBF16Pairs});
         }, py::arg("rows"), py::arg("cols"),
-        "Whether bf16_silu_mul_linear takes a [rows, cols] bf16_pairs gate/up matrix on this CPU.");
+        "Whether bf16_gated_linear takes a [rows, cols] bf16_pairs gate/up matrix on this CPU.");
   m.def("packed_widen", &packed_widen_py, py::arg("weight").noconvert(), py::arg("format"), py::arg("cols"),
         py::arg("begin"), py::arg("end"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "Widens rows [begin, end) of a packed matrix into out [end - begin, cols] float32 (the values\n"

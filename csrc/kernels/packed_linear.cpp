@@ -244,19 +244,20 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
   });
 }
 
-bool bf16_silu_mul_fits(const PackedMatrix &w) {
+bool bf16_gated_fits(const PackedMatrix &w) {
   return w.format == WeightFormat::kBF16Pairs && bf16_amx_multiplies(w, bf16_dot_default_path()) && w.rows % 32 == 0;
 }
 
-void bf16_silu_mul_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads) {
+void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads,
+                         GatedActivation act) {
   const uint16_t *xb = rounded_rows(x, M, w.cols, threads);
   const int K = w.cols, I = w.rows / 2, blocks = I / 16, block = amx_row_block(K);
   const int parts = std::min(blocks, packed_thread_parts(w, w.rows, threads)), step = (blocks + parts - 1) / parts;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int j0 = std::min(blocks, p * step) * 16, j1 = std::min(blocks, (p + 1) * step) * 16;
     for (int m = 0; m < M && j0 < j1; m += block)
-      bf16_amx_silu_mul(xb + static_cast<size_t>(m) * K, w, out + static_cast<size_t>(m) * I, std::min(block, M - m),
-                        j0, j1);
+      bf16_amx_gated(xb + static_cast<size_t>(m) * K, w, out + static_cast<size_t>(m) * I, std::min(block, M - m), j0,
+                     j1, act);
   });
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "bf16_amx.h"
 #include "packed_weights.h"
 #include "side_lines.h"
 
@@ -45,14 +46,15 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side = {});
 
-// Whether bf16_silu_mul_threaded takes w: a bf16_pairs matrix of gate then up rows that the
+// Whether bf16_gated_threaded takes w: a bf16_pairs matrix of gate then up rows that the
 // default bf16 path multiplies on AMX tiles, each half a whole number of 16-row blocks.
-bool bf16_silu_mul_fits(const PackedMatrix &w);
+bool bf16_gated_fits(const PackedMatrix &w);
 
-// An MLP's silu(x Gᵀ) * (x Uᵀ) into out [M, w.rows / 2] for w = [G; U] (bf16_silu_mul_fits):
-// bf16_amx_silu_mul over the gate blocks split across up to `threads` threads. The floats of
-// packed_linear_threaded's product followed by silu_mul, without writing the product out.
-void bf16_silu_mul_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads);
+// An MLP's act(x Gᵀ) * (x Uᵀ) into out [M, w.rows / 2] for w = [G; U] (bf16_gated_fits):
+// bf16_amx_gated over the gate blocks split across up to `threads` threads. The floats of
+// packed_linear_threaded's product followed by act, without writing the product out.
+void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads,
+                         GatedActivation act);
 
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).

@@ -182,20 +182,21 @@ class PackedLinear(nn.Module):
             self.weight_packed.linear(x2.numpy(), bias, out.numpy(), cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def fuses_silu_mul(self) -> bool:
-        """Whether silu_and_mul below runs: this is an MLP's gate/up matrix (gate rows, then up
-        rows) in bf16 pairs without a bias, on a CPU with AMX-BF16."""
+    def fuses_gate(self) -> bool:
+        """Whether gated() below runs: this is an MLP's gate/up matrix (gate rows, then up rows)
+        in bf16 pairs without a bias, on a CPU with AMX-BF16."""
         w = self.weight_packed
-        return self.bias is None and w.format == "bf16_pairs" and _C.bf16_silu_mul_fits(w.rows, w.cols)
+        return self.bias is None and w.format == "bf16_pairs" and _C.bf16_gated_fits(w.rows, w.cols)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate/up product in one pass (fuses_silu_mul): the floats of
-        activation.silu_and_mul(self(x)), without writing the [rows, 2I] product out."""
+    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up of this gate/up product in one pass (fuses_gate; activation "silu" or
+        "gelu_tanh"): the floats of activation.silu_and_mul(self(x)) or gelu_tanh_and_mul,
+        without writing the [rows, 2I] product out."""
         rows, size = x.numel() // self.in_features, self.out_features // 2
         out = large_outputs.empty(rows, size)
         x2 = x.reshape(rows, self.in_features).contiguous()
-        _C.bf16_silu_mul_linear(x2.numpy(), self.weight_packed.data, self.in_features, out.numpy(),
-                                cpu_threads.kernel_threads())
+        _C.bf16_gated_linear(x2.numpy(), self.weight_packed.data, self.in_features, out.numpy(),
+                             cpu_threads.kernel_threads(), activation)
         return out.reshape(*x.shape[:-1], size)
 
     def _widened_gemm(self, x: torch.Tensor) -> torch.Tensor:

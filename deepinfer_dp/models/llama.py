@@ -147,8 +147,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if isinstance(gate_up, PackedLinear) and gate_up.fuses_silu_mul():  # bf16 on AMX: one pass, same floats
-            return self.down_proj(gate_up.silu_and_mul(x))
+        if isinstance(gate_up, PackedLinear) and gate_up.fuses_gate():  # bf16 on AMX: one pass, same floats
+            return self.down_proj(gate_up.gated(x, "silu"))
         return self.down_proj(silu_and_mul(gate_up(x)))
 
 

@@ -223,27 +223,31 @@ def test_engine_entry_splits_rows_for_amx_in_whole_tiles():
 
 
 @pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("m", [1, 19, 1000])
-def test_gate_up_and_silu_in_one_pass_give_the_two_calls_floats(m):
-    """bf16_silu_mul_linear (a bf16 MLP's gate/up product and its activation on AMX tiles, the
-    [m, 2I] product never written out) equals packed_linear then silu_mul bit for bit at any
-    thread split; 1,000 rows pass one L2 input block (448 rows of 576 columns)."""
+def test_gate_up_and_activation_in_one_pass_give_the_two_calls_floats(m, activation):
+    """bf16_gated_linear (a bf16 MLP's gate/up product and its activation on AMX tiles, the
+    [m, 2I] product never written out) equals packed_linear then silu_mul / gelu_tanh_mul bit
+    for bit at any thread split; 1,000 rows pass one L2 input block (448 rows of 576 columns)."""
     g = torch.Generator().manual_seed(m)
     x, w = torch.randn(m, 576, generator=g), torch.randn(2 * 96, 576, generator=g) * 0.1
     data = pairs(w)
     gate_up, want = np.empty((m, 192), np.float32), np.empty((m, 96), np.float32)
     _C.packed_linear(x.numpy(), data, "bf16_pairs", 576, None, gate_up, 1)
-    _C.silu_mul(gate_up, want, 1)
+    (_C.silu_mul if activation == "silu" else _C.gelu_tanh_mul)(gate_up, want, 1)
     for threads in (1, 2, 3):
         got = np.full((m, 96), np.nan, np.float32)
-        _C.bf16_silu_mul_linear(x.numpy(), data, 576, got, threads)
+        _C.bf16_gated_linear(x.numpy(), data, 576, got, threads, activation)
         assert np.array_equal(got, want), threads
 
 
 def test_gate_up_pass_takes_whole_halves_on_amx_only():
-    assert _C.bf16_silu_mul_fits(192, 576) == AMX
-    assert not _C.bf16_silu_mul_fits(208, 576)  # halves of 104 rows: no whole 16-row blocks
-    assert not _C.bf16_silu_mul_fits(192, 48)  # AMX takes columns in multiples of 32
-    with pytest.raises(ValueError, match="bf16_silu_mul_fits"):
-        _C.bf16_silu_mul_linear(np.zeros((1, 48), np.float32), np.zeros((192, 96), np.uint8), 48,
-                                np.zeros((1, 96), np.float32), 1)
+    assert _C.bf16_gated_fits(192, 576) == AMX
+    assert not _C.bf16_gated_fits(208, 576)  # halves of 104 rows: no whole 16-row blocks
+    assert not _C.bf16_gated_fits(192, 48)  # AMX takes columns in multiples of 32
+    with pytest.raises(ValueError, match="bf16_gated_fits"):
+        _C.bf16_gated_linear(np.zeros((1, 48), np.float32), np.zeros((192, 96), np.uint8), 48,
+                             np.zeros((1, 96), np.float32), 1)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        _C.bf16_gated_linear(np.zeros((1, 64), np.float32), np.zeros((192, 128), np.uint8), 64,
+                             np.zeros((1, 96), np.float32), 1, "relu")

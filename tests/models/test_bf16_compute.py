@@ -104,16 +104,16 @@ def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
     assert first < 0.05, first
 
 
-@pytest.mark.skipif(not _C.bf16_silu_mul_fits(256, 64), reason="needs AMX-BF16")
+@pytest.mark.skipif(not _C.bf16_gated_fits(256, 64), reason="needs AMX-BF16")
 def test_mlp_gate_up_and_activation_in_one_pass_change_no_float(bf16_dirs, monkeypatch):
-    """On AMX the MLP's gate/up product and SiLU run as one pass (PackedLinear.silu_and_mul):
-    the module path's logits equal those of the product and the activation apart."""
+    """On AMX the MLP's gate/up product and SiLU run as one pass (PackedLinear.gated): the
+    module path's logits equal those of the product and the activation apart."""
     passes = []
-    one_pass = PackedLinear.silu_and_mul
-    monkeypatch.setattr(PackedLinear, "silu_and_mul", lambda self, x: passes.append(1) or one_pass(self, x))
+    one_pass = PackedLinear.gated
+    monkeypatch.setattr(PackedLinear, "gated", lambda self, x, act: passes.append(act) or one_pass(self, x, act))
     ids, logits = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
-    assert passes
-    monkeypatch.setattr(PackedLinear, "fuses_silu_mul", lambda self: False)
+    assert passes and set(passes) == {"silu"}
+    monkeypatch.setattr(PackedLinear, "fuses_gate", lambda self: False)
     ids_apart, logits_apart = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
     assert ids == ids_apart and len(logits) == len(logits_apart) > 10
     for a, b in zip(logits, logits_apart, strict=True):

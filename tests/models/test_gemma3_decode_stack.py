@@ -17,15 +17,18 @@ from test_gemma3_parts import write_quantized_gemma3
 from test_llama_cpu_decode import hidden_per_step
 from test_sliding_window import GREEDY, sliding_config, window_prompts
 
-from deepinfer_dp import LLM, SamplingParams
+from deepinfer_dp import _C, LLM, SamplingParams
+from deepinfer_dp.layers.packed import PackedLinear
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 
 # (model, engine options): KV groups of one layer each (6 and 3), the same Gemma 3 in one group
-# (window per layer, nothing freed), and Gemma 3 with a bf16 KV cache.
+# (window per layer, nothing freed), and Gemma 3 with a bf16 KV cache or in bf16 arithmetic.
 CASES = {
     "gemma3-groups": ("gemma3", dict(num_kv_blocks=6 * 32 + 1)),
     "gemma3-one-group": ("gemma3", dict(num_kv_blocks=64, disable_hybrid_kv_cache_manager=True)),
     "gemma3-bf16-cache": ("gemma3", dict(num_kv_blocks=6 * 32 + 1, kv_cache_dtype="bfloat16")),
+    # bf16 compute: on AMX the modules' MLP takes the one-pass gate/up and GELU product
+    "gemma3-bf16-compute": ("gemma3", dict(num_kv_blocks=6 * 32 + 1, dtype="bfloat16")),
     "qwen2-max-window-layers": ("qwen2", dict(num_kv_blocks=3 * 32 + 1)),
     # fused projections of packed parts in different formats (Q4_K q/k with a Q6_K v, ...)
     "gemma3-packed-parts": ("gemma3-parts", dict(num_kv_blocks=4 * 32 + 1)),
@@ -45,6 +48,9 @@ def model_dirs(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_stack_equals_the_modules_bit_for_bit(case, model_dirs, monkeypatch):
     kind, engine = CASES[case]
+    passes = []
+    one_pass = PackedLinear.gated
+    monkeypatch.setattr(PackedLinear, "gated", lambda self, x, act: passes.append(act) or one_pass(self, x, act))
     ids_on, hidden_on, stack = hidden_per_step(str(model_dirs[kind]), monkeypatch, True, 2, **engine)
     ids_off, hidden_off, _ = hidden_per_step(str(model_dirs[kind]), monkeypatch, False, 2, **engine)
     assert isinstance(stack, LlamaCpuDecode) and stack.steps >= 11  # every decode step went through it
@@ -54,6 +60,8 @@ def test_stack_equals_the_modules_bit_for_bit(case, model_dirs, monkeypatch):
     assert len(hidden_on) == len(hidden_off) > 10
     for a, b in zip(hidden_on, hidden_off, strict=True):
         assert torch.equal(a, b)
+    one_pass_ran = engine.get("dtype") == "bfloat16" and _C.bf16_gated_fits(192, 64)  # Gemma's gate/up: 192 x 64
+    assert set(passes) == ({"gelu_tanh"} if one_pass_ran else set())
 
 
 def test_gemma3_tokens_do_not_depend_on_the_batch(model_dirs):
