@@ -211,10 +211,6 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
   });
 }
 
-}  // namespace
-
-namespace {
-
 // x [M, K] rounded to bf16 into the calling thread's reused buffer, its rows split among the
 // threads (each thread of a product rounding all of them would repeat the work), padded with
 // zero rows to AMX's whole tiles.
@@ -245,7 +241,8 @@ void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *
 }
 
 bool bf16_gated_fits(const PackedMatrix &w) {
-  return w.format == WeightFormat::kBF16Pairs && bf16_amx_multiplies(w, bf16_dot_default_path()) && w.rows % 32 == 0;
+  return w.format == WeightFormat::kBF16Pairs && bf16_amx_multiplies(w, bf16_dot_default_path()) && w.rows > 0 &&
+         w.rows % 32 == 0;
 }
 
 void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads,

@@ -245,6 +245,7 @@ def test_gate_up_pass_takes_whole_halves_on_amx_only():
     assert _C.bf16_gated_fits(192, 576) == AMX
     assert not _C.bf16_gated_fits(208, 576)  # halves of 104 rows: no whole 16-row blocks
     assert not _C.bf16_gated_fits(192, 48)  # AMX takes columns in multiples of 32
+    assert not _C.bf16_gated_fits(0, 576)
     with pytest.raises(ValueError, match="bf16_gated_fits"):
         _C.bf16_gated_linear(np.zeros((1, 48), np.float32), np.zeros((192, 96), np.uint8), 48,
                              np.zeros((1, 96), np.float32), 1)
