@@ -4,14 +4,18 @@
 On CPU in fp32 one C++ pass per row (`_C.silu_mul`, `_C.gelu_tanh_mul`) replaces torch's
 split, activation and product; the CPU decode stack calls the same kernels, so the module
 path and the stack give the same floats. Their e^x is Cephes' polynomial, within a couple of
-ulp of torch's; elsewhere (CUDA, other dtypes) torch's own ops.
+ulp of torch's; elsewhere (CUDA, other dtypes) torch's own ops. `gated_product` is an MLP's
+gate/up product and its activation: for a bf16 matrix on AMX one pass (PackedLinear.gated),
+with the same floats.
 """
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers.cpu_threads import kernel_threads
+from deepinfer_dp.layers.packed import PackedLinear
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -36,3 +40,11 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out.view(*gate_up.shape[:-1], size)
     gate, up = gate_up.split(size, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_product(gate_up: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(x Gᵀ) * (x Uᵀ) for gate_up = [G; U] and activation "silu" or "gelu_tanh": one pass
+    where the matrix takes it (PackedLinear.fuses_gate), else the product then the activation."""
+    if isinstance(gate_up, PackedLinear) and gate_up.fuses_gate():
+        return gate_up.gated(x, activation)
+    return (silu_and_mul if activation == "silu" else gelu_tanh_and_mul)(gate_up(x))

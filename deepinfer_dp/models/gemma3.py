@@ -25,10 +25,9 @@ import math
 import torch
 from torch import nn
 
-from deepinfer_dp.layers.activation import gelu_tanh_and_mul
+from deepinfer_dp.layers.activation import gated_product
 from deepinfer_dp.layers.attention import ForwardContext
 from deepinfer_dp.layers.norm import RMSNorm
-from deepinfer_dp.layers.packed import PackedLinear
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode, StackLayout
@@ -75,10 +74,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if isinstance(gate_up, PackedLinear) and gate_up.fuses_gate():  # bf16 on AMX: one pass, same floats
-            return self.down_proj(gate_up.gated(x, "gelu_tanh"))
-        return self.down_proj(gelu_tanh_and_mul(gate_up(x)))
+        return self.down_proj(gated_product(self.gate_up_proj, x, "gelu_tanh"))
 
 
 class Gemma3DecoderLayer(nn.Module):

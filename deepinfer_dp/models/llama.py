@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer_dp.layers.activation import silu_and_mul
+from deepinfer_dp.layers.activation import gated_product
 from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
 from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
-from deepinfer_dp.layers.packed import PackedLinear
 from deepinfer_dp.layers.rotary import RotaryEmbedding, make_rotary, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 from deepinfer_dp.utils.cpu_malloc import resident_zeros
@@ -146,10 +145,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if isinstance(gate_up, PackedLinear) and gate_up.fuses_gate():  # bf16 on AMX: one pass, same floats
-            return self.down_proj(gate_up.gated(x, "silu"))
-        return self.down_proj(silu_and_mul(gate_up(x)))
+        return self.down_proj(gated_product(self.gate_up_proj, x, "silu"))
 
 
 class LlamaDecoderLayer(nn.Module):
