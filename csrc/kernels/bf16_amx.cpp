@@ -1,5 +1,6 @@
 #include "bf16_amx.h"
 
+#include "bf16_linear.h"
 #include "packed_linear_avx512.h"
 
 #include <algorithm>
@@ -144,8 +145,8 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
   _tile_release();
 }
 
-AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1,
-                               GatedActivation act) {
+AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M,
+                               int j0, int j1, GatedActivation act) {
   amx_configure_tiles();
   const int I = w.rows / 2;
   alignas(64) float c[4][kTile * kTile], h[kTile * kTile];
@@ -156,8 +157,14 @@ AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float 
       for (int t = 0; t < (two_rows ? 2 : 1); ++t) {
         act(c[2 * t], c[2 * t + 1], h, kTile * kTile);
         const int first = m + t * kTile;
-        for (int r = first; r < std::min(first + kTile, M); ++r)
-          _mm512_storeu_ps(out + static_cast<size_t>(r) * I + b * kTile, _mm512_load_ps(h + (r - first) * kTile));
+        for (int r = first; r < std::min(first + kTile, M); ++r) {
+          const __m512 v = _mm512_load_ps(h + (r - first) * kTile);
+          const size_t at = static_cast<size_t>(r) * I + b * kTile;
+          if (out_b)
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(out_b + at), bf16_round16(v));
+          else
+            _mm512_storeu_ps(out + at, v);
+        }
       }
     }
   }
@@ -167,7 +174,7 @@ AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float 
 void amx_configure_tiles() {}
 bool bf16_amx_available() { return false; }
 void bf16_amx_columns(const uint16_t *, const PackedMatrix &, const float *, float *, int, int, int) {}
-void bf16_amx_gated(const uint16_t *, const PackedMatrix &, float *, int, int, int, GatedActivation) {}
+void bf16_amx_gated(const uint16_t *, const PackedMatrix &, float *, uint16_t *, int, int, int, GatedActivation) {}
 #endif
 
 }  // namespace deepinfer

@@ -37,8 +37,9 @@ using GatedActivation = void (*)(const float *g, const float *u, float *out, int
 // rows (I = w.rows / 2 each, a multiple of 16): out[m, j] = act(g) * u for j in [j0, j1)
 // (multiples of 16), g and u the products of input row m with gate row j and up row I + j as
 // bf16_amx_columns computes them, act's floats. out is [M, I]; the [M, 2I] product is never
-// written out.
-void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, int M, int j0, int j1,
+// written out. With out_b set instead of out, those floats rounded to bf16 (bf16_round_rows'
+// rounding) into out_b [M, I]: the input of a bf16 down product.
+void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int j0, int j1,
                     GatedActivation act);
 
 }  // namespace deepinfer

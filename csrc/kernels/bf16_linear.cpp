@@ -198,17 +198,10 @@ void simd_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, 
   }
 }
 
-__attribute__((target("avx512f,avx512bw"))) void round_avx512(const float *x, size_t count, uint16_t *out) {
+__attribute__((target("avx512f"))) void round_avx512(const float *x, size_t count, uint16_t *out) {
   size_t i = 0;
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  for (; i + 16 <= count; i += 16) {
-    const __m512 f = _mm512_loadu_ps(x + i);
-    const __m512i u = _mm512_castps_si512(f);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    r = _mm512_mask_and_epi32(r, _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7f80)), r, _mm512_set1_epi32(0x8000));
-    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out + i), bf16_round16(_mm512_loadu_ps(x + i)));
   for (; i < count; ++i) out[i] = round_bf16(x[i]);
 }
 

@@ -19,6 +19,10 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "packed_weights.h"
 #include "side_lines.h"
 
@@ -48,6 +52,18 @@ void bf16_pairs_widen_row(const PackedMatrix &w, int row, float *out);
 // x [M, cols] rounded to bf16 as torch rounds (NaN -> 0x7fc0), subnormal results made zeros.
 void bf16_round_rows(const float *x, int M, int cols, uint16_t *out);
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// 16 floats rounded as bf16_round_rows rounds them: for the kernels that round their rows
+// as they store them (bf16_round_rows itself, the gated product's bf16 output).
+__attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  r = _mm512_mask_and_epi32(r, _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7f80)), r, _mm512_set1_epi32(0x8000));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 // The outputs [n_begin, n_end) of y [M, w.rows] (any bounds: a split inside a block of 16
 // computes the block and stores its part). `side`: lines to ask for meanwhile (the 512-bit
 // paths; the others leave them).
@@ -57,7 +73,7 @@ void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias
 // bf16_pairs_columns on inputs already rounded (bf16_round_rows' values, xb [M, w.cols]),
 // the same floats: a caller that rounds each input row once, as it produces it, spares every
 // thread of a split product rounding all of them. On the AMX path (bf16_amx_available) xb
-// must hold bf16_rows_padded(M) rows, those past M zero.
+// must hold bf16_rows_padded(M) rows, those past M zero (bf16_pairs_threaded takes any M).
 void bf16_pairs_columns_rounded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                 int n_begin, int n_end, Bf16DotPath path, SideLines *side = nullptr);
 

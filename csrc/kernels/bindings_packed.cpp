@@ -23,6 +23,7 @@ namespace {
 
 using F32 = py::array_t<float, py::array::c_style>;
 using U8 = py::array_t<uint8_t, py::array::c_style>;
+using U16 = py::array_t<uint16_t, py::array::c_style>;  // bf16 rows, viewed as uint16
 using I64 = py::array_t<int64_t, py::array::c_style>;
 
 void need(bool ok, const char *op, const std::string &what) {
@@ -49,30 +50,49 @@ PackedMatrix matrix(const U8 &weight, const std::string &format, int cols, const
   return PackedMatrix{weight.data(), static_cast<int>(weight.shape(0)), cols, row_bytes, f};
 }
 
-void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format, int cols,
-                      const std::optional<F32> &bias, F32 &out, int num_threads) {
-  const char *op = "packed_linear";
-  const PackedMatrix w = matrix(weight, format, cols, op);
+// packed_linear's checks of x's shape (either dtype), out and bias; returns M.
+int check_linear(const py::array &x, const PackedMatrix &w, const std::optional<F32> &bias, const F32 &out,
+                 int num_threads, const char *op) {
   need(x.ndim() == 2 && out.ndim() == 2, op, "want x [M, K], out [M, N]");
-  need(x.shape(1) == cols, op, "x's K differs from the weight's cols");
+  need(x.shape(1) == w.cols, op, "x's K differs from the weight's cols");
   const int M = static_cast<int>(x.shape(0)), N = w.rows;
   need(out.shape(0) == M && out.shape(1) == N, op, "out must be [M, N]");
   need(out.writeable(), op, "out must be writable");
   need(!bias || (bias->ndim() == 1 && bias->shape(0) == N), op, "bias must be [N]");
   need(num_threads >= 1, op, "num_threads must be >= 1");
+  return M;
+}
+
+void packed_linear_py(const F32 &x, const U8 &weight, const std::string &format, int cols,
+                      const std::optional<F32> &bias, F32 &out, int num_threads) {
+  const PackedMatrix w = matrix(weight, format, cols, "packed_linear");
+  const int M = check_linear(x, w, bias, out, num_threads, "packed_linear");
   const float *xp = x.data(), *bp = bias ? bias->data() : nullptr;
   float *yp = out.mutable_data();
   py::gil_scoped_release release;
   packed_linear_threaded(xp, w, bp, yp, M, num_threads);
 }
 
-void gated_linear_py(const F32 &x, const U8 &weight, int cols, F32 &out, int num_threads,
-                     const std::string &activation) {
+// packed_linear on rows already rounded to bf16 (a bf16_pairs matrix only).
+void packed_linear_rounded_py(const U16 &x, const U8 &weight, const std::string &format, int cols,
+                              const std::optional<F32> &bias, F32 &out, int num_threads) {
+  const char *op = "packed_linear";
+  need(format == "bf16_pairs", op, "bf16 rows (uint16) go to a bf16_pairs matrix only, not " + format);
+  const PackedMatrix w = matrix(weight, format, cols, op);
+  const int M = check_linear(x, w, bias, out, num_threads, op);
+  const uint16_t *xp = x.data();
+  const float *bp = bias ? bias->data() : nullptr;
+  float *yp = out.mutable_data();
+  py::gil_scoped_release release;
+  bf16_pairs_threaded(xp, w, bp, yp, M, num_threads);
+}
+
+// bf16_gated_linear's checks of the matrix, the activation and the shapes; returns M.
+int check_gated(const py::array &x, const PackedMatrix &w, int cols, const py::array &out, int num_threads,
+                const std::string &activation) {
   const char *op = "bf16_gated_linear";
   need(activation == "silu" || activation == "gelu_tanh", op,
        "unknown activation '" + activation + "' (silu, gelu_tanh)");
-  const GatedActivation act = activation == "silu" ? silu_mul : gelu_tanh_mul;
-  const PackedMatrix w = matrix(weight, "bf16_pairs", cols, op);
   need(bf16_gated_fits(w), op,
        "want a bf16_pairs matrix of gate then up rows, each half a multiple of 16 rows, cols a multiple of 32, "
        "on a CPU with AMX-BF16 (bf16_gated_fits)");
@@ -81,10 +101,39 @@ void gated_linear_py(const F32 &x, const U8 &weight, int cols, F32 &out, int num
   need(out.ndim() == 2 && out.shape(0) == M && out.shape(1) == w.rows / 2 && out.writeable(), op,
        "out must be writable [M, rows / 2]");
   need(num_threads >= 1, op, "num_threads must be >= 1");
-  const float *xp = x.data();
-  float *yp = out.mutable_data();
+  return M;
+}
+
+GatedActivation gated_activation(const std::string &activation) {
+  return activation == "silu" ? silu_mul : gelu_tanh_mul;
+}
+
+// Whether a is C-contiguous float32 (false) or uint16 (bf16 bits: true); else ValueError.
+bool bf16_rows(const py::array &a, const char *name, const char *op) {
+  const bool f32 = a.dtype().is(py::dtype::of<float>()), u16 = a.dtype().is(py::dtype::of<uint16_t>());
+  need((f32 || u16) && (a.flags() & py::array::c_style), op,
+       std::string(name) + " must be C-contiguous float32, or uint16 (bf16 bits)");
+  return u16;
+}
+
+// x [M, cols] float32, or uint16 rows already rounded to bf16; out float32, or uint16 for the
+// floats rounded to bf16 (a bf16 down product's input).
+void gated_linear_py(const py::array &x, const U8 &weight, int cols, py::array &out, int num_threads,
+                     const std::string &activation) {
+  const char *op = "bf16_gated_linear";
+  const PackedMatrix w = matrix(weight, "bf16_pairs", cols, op);
+  const bool x_b = bf16_rows(x, "x", op), out_b = bf16_rows(out, "out", op);
+  const int M = check_gated(x, w, cols, out, num_threads, activation);
+  const void *xp = x.data();
+  void *yp = out.mutable_data();
+  float *y = out_b ? nullptr : static_cast<float *>(yp);
+  uint16_t *yb = out_b ? static_cast<uint16_t *>(yp) : nullptr;
+  const GatedActivation act = gated_activation(activation);
   py::gil_scoped_release release;
-  bf16_gated_threaded(xp, w, yp, M, num_threads, act);
+  if (x_b)
+    bf16_gated_rounded(static_cast<const uint16_t *>(xp), w, y, yb, M, num_threads, act);
+  else
+    bf16_gated_threaded(static_cast<const float *>(xp), w, y, yb, M, num_threads, act);
 }
 
 void packed_widen_py(const U8 &weight, const std::string &format, int cols, int begin, int end, F32 &out,
@@ -180,11 +229,17 @@ void bind_packed_kernels(py::module_ &m) {
         "q4_1, q5_0, q5_1, q8_0, q2_k-q6_k; weight holds its bytes, [N, bytes per row] uint8)\n"
         "and widened in cache; bit for bit\n"
         "what `linear` gives on the widened matrix. num_threads > 1 splits the output columns.");
+  m.def("packed_linear", &packed_linear_rounded_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
+        py::arg("format"), py::arg("cols"), py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(),
+        py::arg("num_threads") = 1,
+        "The same for x [M, cols] uint16, rows already rounded to bf16, and a 'bf16_pairs' matrix: the floats\n"
+        "of the float32 rows they were rounded from.");
   m.def("bf16_gated_linear", &gated_linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
         py::arg("cols"), py::arg("out").noconvert(), py::arg("num_threads") = 1, py::arg("activation") = "silu",
         "out[M, I] = act(x @ G.T) * (x @ U.T) for weight = [G; U] [2I, cols] in 'bf16_pairs' on AMX tiles,\n"
         "act 'silu' or 'gelu_tanh': the floats of packed_linear then silu_mul / gelu_tanh_mul, the [M, 2I]\n"
-        "product never written out.");
+        "product never written out. x float32, or uint16 rows already rounded to bf16; out float32, or\n"
+        "uint16 for the results rounded to bf16.");
   m.def("bf16_gated_fits", [](int rows, int cols) {
           return bf16_gated_fits(PackedMatrix{nullptr, rows, cols, static_cast<size_t>(2 * cols),
                                               WeightFormat::kBF16Pairs});

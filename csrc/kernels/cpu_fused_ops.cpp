@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "bf16_linear.h"
 #include "packed_linear_avx512.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -275,6 +277,17 @@ void rms_norm_rows(float *x, const float *residual, const float *weight, float e
     const float inv = 1.f / std::sqrt(sum_of_squares(row, h) / static_cast<float>(h) + eps);
     float *o = out + static_cast<size_t>(t) * h;
     for (int i = 0; i < h; ++i) o[i] = weight[i] * (row[i] * inv);
+  }
+}
+
+void rms_norm_rows_rounded(float *x, const float *residual, const float *weight, float eps, uint16_t *out, int h,
+                           int begin, int end) {
+  thread_local std::vector<float> normed;  // one row at a time, in L1 when it is rounded
+  normed.resize(static_cast<size_t>(h));
+  for (int t = begin; t < end; ++t) {
+    const size_t at = static_cast<size_t>(t) * h;
+    rms_norm_rows(x + at, residual ? residual + at : nullptr, weight, eps, normed.data(), h, 0, 1);
+    bf16_round_rows(normed.data(), 1, h, out + at);
   }
 }
 

@@ -16,6 +16,11 @@ namespace deepinfer {
 void rms_norm_rows(float *x, const float *residual, const float *weight, float eps, float *out, int h, int begin,
                    int end);
 
+// rms_norm_rows with out in bf16, rounded as bf16_round_rows rounds: the input of a bf16
+// product (which would round it so itself), written at half the bytes.
+void rms_norm_rows_rounded(float *x, const float *residual, const float *weight, float eps, uint16_t *out, int h,
+                           int begin, int end);
+
 // RoPE in the rotate_half layout on `heads` heads of size d of each row t, in place:
 // x' = x * cos[t] + rotate_half(x) * sin[t]. Row t starts at x + t * row_stride; cos and sin
 // are [rows, d].

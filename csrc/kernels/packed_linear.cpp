@@ -212,18 +212,29 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
 }
 
 // x [M, K] rounded to bf16 into the calling thread's reused buffer, its rows split among the
-// threads (each thread of a product rounding all of them would repeat the work), padded with
-// zero rows to AMX's whole tiles.
+// threads (each thread of a product rounding all of them would repeat the work).
 const uint16_t *rounded_rows(const float *x, int M, int K, int threads) {
   thread_local std::vector<uint16_t> xb;  // (the workers' own `xb` in bf16_linear.cpp are other vectors)
-  const size_t rows = bf16_rows_padded(M);
-  xb.resize(rows * K);
-  std::fill(xb.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(M) * K), xb.end(), uint16_t{0});
+  xb.resize(static_cast<size_t>(M) * K);
   uint16_t *rounded = xb.data();
   split_rows(M, threads, [&](int begin, int end) {
     bf16_round_rows(x + static_cast<size_t>(begin) * K, end - begin, K, rounded + static_cast<size_t>(begin) * K);
   });
   return rounded;
+}
+
+// fn(rows, m, count) over xb [M, K] in blocks of `block` rows (rows = xb + m * K), except the
+// last M % 16 rows, which come from a copy padded with zero rows: AMX reads whole tiles of
+// 16 rows, and the caller's buffer ends at row M.
+void whole_tile_blocks(const uint16_t *xb, int M, int K, int block,
+                       const std::function<void(const uint16_t *, int, int)> &fn) {
+  const int whole = M / 16 * 16;
+  for (int m = 0; m < whole; m += block) fn(xb + static_cast<size_t>(m) * K, m, std::min(block, whole - m));
+  if (whole == M) return;
+  thread_local std::vector<uint16_t> tail;
+  tail.assign(static_cast<size_t>(16) * K, uint16_t{0});
+  std::copy(xb + static_cast<size_t>(whole) * K, xb + static_cast<size_t>(M) * K, tail.begin());
+  fn(tail.data(), whole, M - whole);
 }
 
 // Input rows an AMX product takes at a time: a block in L2 (input_row_block) in whole pairs
@@ -245,16 +256,22 @@ bool bf16_gated_fits(const PackedMatrix &w) {
          w.rows % 32 == 0;
 }
 
-void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads,
+void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int threads,
                          GatedActivation act) {
-  const uint16_t *xb = rounded_rows(x, M, w.cols, threads);
+  bf16_gated_rounded(rounded_rows(x, M, w.cols, threads), w, out, out_b, M, threads, act);
+}
+
+void bf16_gated_rounded(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int threads,
+                        GatedActivation act) {
   const int K = w.cols, I = w.rows / 2, blocks = I / 16, block = amx_row_block(K);
   const int parts = std::min(blocks, packed_thread_parts(w, w.rows, threads)), step = (blocks + parts - 1) / parts;
   shared_pool(parts).run(parts, parts, [&](int p) {
     const int j0 = std::min(blocks, p * step) * 16, j1 = std::min(blocks, (p + 1) * step) * 16;
-    for (int m = 0; m < M && j0 < j1; m += block)
-      bf16_amx_gated(xb + static_cast<size_t>(m) * K, w, out + static_cast<size_t>(m) * I, std::min(block, M - m), j0,
-                     j1, act);
+    if (j0 >= j1) return;
+    whole_tile_blocks(xb, M, K, block, [&](const uint16_t *rows, int m, int count) {
+      const size_t at = static_cast<size_t>(m) * I;
+      bf16_amx_gated(rows, w, out ? out + at : nullptr, out_b ? out_b + at : nullptr, count, j0, j1, act);
+    });
   });
 }
 
@@ -263,11 +280,14 @@ void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float 
   const Bf16DotPath path = bf16_dot_default_path();
   // A block of input rows in L2 at a time, as packed_linear_columns takes them.
   const int K = w.cols, N = w.rows;
-  const int block = bf16_amx_multiplies(w, path) ? amx_row_block(K) : input_row_block(K);
+  const bool amx = bf16_amx_multiplies(w, path);
+  const int block = amx ? amx_row_block(K) : input_row_block(K);
   threaded_rows(w, threads, side, [&](int begin, int end, SideLines *lines) {
-    for (int m = 0; m < M; m += block)
-      bf16_pairs_columns_rounded(xb + static_cast<size_t>(m) * K, w, bias, y + static_cast<size_t>(m) * N,
-                                 std::min(block, M - m), begin, end, path, lines);
+    const auto columns = [&](const uint16_t *rows, int m, int count) {
+      bf16_pairs_columns_rounded(rows, w, bias, y + static_cast<size_t>(m) * N, count, begin, end, path, lines);
+    };
+    if (amx) return whole_tile_blocks(xb, M, K, block, columns);
+    for (int m = 0; m < M; m += block) columns(xb + static_cast<size_t>(m) * K, m, std::min(block, M - m));
   });
 }
 

@@ -42,7 +42,8 @@ int packed_thread_parts_of_bytes(int64_t bytes, int threads);
 void packed_linear_threaded(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int threads);
 
 // packed_linear_threaded for a bf16_pairs matrix whose inputs are already rounded (xb [M,
-// w.cols], bf16_pairs_columns_rounded's conditions): the same floats, no thread rounding them.
+// w.cols], bf16_round_rows' values; any M: AMX's last partial tile is read from a padded
+// copy): the same floats, no thread rounding them.
 void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int threads,
                          const SideShare &side = {});
 
@@ -50,11 +51,17 @@ void bf16_pairs_threaded(const uint16_t *xb, const PackedMatrix &w, const float 
 // default bf16 path multiplies on AMX tiles, each half a whole number of 16-row blocks.
 bool bf16_gated_fits(const PackedMatrix &w);
 
-// An MLP's act(x Gᵀ) * (x Uᵀ) into out [M, w.rows / 2] for w = [G; U] (bf16_gated_fits):
-// bf16_amx_gated over the gate blocks split across up to `threads` threads. The floats of
-// packed_linear_threaded's product followed by act, without writing the product out.
-void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, int M, int threads,
+// An MLP's act(x Gᵀ) * (x Uᵀ) into out [M, w.rows / 2] for w = [G; U] (bf16_gated_fits), or
+// with out_b set instead, those floats rounded to bf16 into out_b (a bf16 down product's
+// input): bf16_amx_gated over the gate blocks split across up to `threads` threads. The floats
+// of packed_linear_threaded's product followed by act, without writing the product out.
+void bf16_gated_threaded(const float *x, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int threads,
                          GatedActivation act);
+
+// bf16_gated_threaded on inputs already rounded (xb [M, w.cols], as bf16_pairs_threaded
+// takes them).
+void bf16_gated_rounded(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int threads,
+                        GatedActivation act);
 
 // Widens rows [begin, end) of w into out [end - begin, w.cols] (for prefill GEMMs and
 // embedding lookups of a few rows).

@@ -42,9 +42,11 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def gated_product(gate_up: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_product(gate_up: nn.Module, x: torch.Tensor, activation: str, rounded: bool = False) -> torch.Tensor:
     """act(x Gᵀ) * (x Uᵀ) for gate_up = [G; U] and activation "silu" or "gelu_tanh": one pass
-    where the matrix takes it (PackedLinear.fuses_gate), else the product then the activation."""
+    where the matrix takes it (PackedLinear.fuses_gate), else the product then the activation.
+    rounded: the product after this one rounds its input to bf16 (packed.takes_bf16_rows), so
+    the one pass may hand its result over rounded (the other way stays fp32: the same floats)."""
     if isinstance(gate_up, PackedLinear) and gate_up.fuses_gate():
-        return gate_up.gated(x, activation)
+        return gate_up.gated(x, activation, rounded)
     return (silu_and_mul if activation == "silu" else gelu_tanh_and_mul)(gate_up(x))

@@ -173,6 +173,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
+        if x2.dtype == torch.bfloat16:  # rows a producer rounded for this product (takes_bf16_rows)
+            if not takes_bf16_rows(self):
+                raise ValueError(f"bf16 rows into a {self.weight_packed.format} matrix (bf16_pairs only)")
+            out = large_outputs.empty(rows, self.out_features)
+            bias = None if self.bias is None else self.bias.detach().numpy()
+            self.weight_packed.linear(bf16_bits(x2), bias, out.numpy(), cpu_threads.kernel_threads())
+            return out.reshape(*x.shape[:-1], self.out_features)
         # bf16_pairs always takes its kernel: a widened GEMM would compute in fp32, not bf16.
         if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant() and self.weight_packed.format != "bf16_pairs":
             out = self._widened_gemm(x2)
@@ -188,14 +195,15 @@ class PackedLinear(nn.Module):
         w = self.weight_packed
         return self.bias is None and w.format == "bf16_pairs" and _C.bf16_gated_fits(w.rows, w.cols)
 
-    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+    def gated(self, x: torch.Tensor, activation: str, rounded: bool = False) -> torch.Tensor:
         """act(gate) * up of this gate/up product in one pass (fuses_gate; activation "silu" or
         "gelu_tanh"): the floats of activation.silu_and_mul(self(x)) or gelu_tanh_and_mul,
-        without writing the [rows, 2I] product out."""
+        without writing the [rows, 2I] product out. x fp32 or bf16 rows (takes_bf16_rows);
+        rounded: the result rounded to bf16 for a bf16 product after it."""
         rows, size = x.numel() // self.in_features, self.out_features // 2
-        out = large_outputs.empty(rows, size)
+        out = torch.empty(rows, size, dtype=torch.bfloat16) if rounded else large_outputs.empty(rows, size)
         x2 = x.reshape(rows, self.in_features).contiguous()
-        _C.bf16_gated_linear(x2.numpy(), self.weight_packed.data, self.in_features, out.numpy(),
+        _C.bf16_gated_linear(kernel_array(x2), self.weight_packed.data, self.in_features, kernel_array(out),
                              cpu_threads.kernel_threads(), activation)
         return out.reshape(*x.shape[:-1], size)
 
@@ -220,6 +228,23 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"format={self.weight_packed.format}, bias={self.bias is not None}")
+
+
+def takes_bf16_rows(module: nn.Module) -> bool:
+    """Whether `module` is a product that rounds its input rows to bf16 first (a bf16_pairs
+    PackedLinear), so that whoever makes those rows may hand them over rounded: the same
+    floats, half the bytes, no rounding pass."""
+    return isinstance(module, PackedLinear) and module.weight_packed.format == "bf16_pairs"
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    """A contiguous bf16 tensor's bits as a uint16 NumPy view, for the kernels."""
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+def kernel_array(x: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's NumPy view for a kernel: bf16 rows as their uint16 bits."""
+    return bf16_bits(x) if x.dtype == torch.bfloat16 else x.numpy()
 
 
 class PackedEmbedding(nn.Module):

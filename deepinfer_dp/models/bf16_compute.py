@@ -3,7 +3,8 @@
 A packed model (packed_loader.py) has its matrices turned into the "bf16_pairs" format:
 bf16 weights (a bf16 checkpoint's as stored; GGUF blocks or fp32 matrices rounded to bf16 as
 torch rounds) laid out for `vdpbf16ps`, so each product rounds its input rows to bf16 and
-accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h). Between the products
+accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h); a norm or activation
+that feeds a product writes those rounded rows itself (packed.takes_bf16_rows). Otherwise
 the hidden states stay fp32: RMSNorm, RoPE, softmax and the residual adds run in fp32, as
 vLLM's CPU backend runs them, and the KV cache is bf16 (the runner allocates it in the
 compute dtype). Where the CPU has AMX tiles attention computes in bf16 too

@@ -28,6 +28,7 @@ from torch import nn
 from deepinfer_dp.layers.activation import gated_product
 from deepinfer_dp.layers.attention import ForwardContext
 from deepinfer_dp.layers.norm import RMSNorm
+from deepinfer_dp.layers.packed import takes_bf16_rows
 from deepinfer_dp.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer_dp.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode, StackLayout
@@ -74,7 +75,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_product(self.gate_up_proj, x, "gelu_tanh"))
+        return self.down_proj(gated_product(self.gate_up_proj, x, "gelu_tanh", takes_bf16_rows(self.down_proj)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -92,9 +93,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        # The norms before the two first products hand their rows over rounded where those
+        # products round them to bf16 anyway (packed.takes_bf16_rows).
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden, takes_bf16_rows(self.self_attn.qkv_proj)))
         hidden = hidden + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden, takes_bf16_rows(self.mlp.gate_up_proj)))
         return hidden + self.post_feedforward_layernorm(mlp_out)
 
 

@@ -17,6 +17,7 @@ from deepinfer_dp.layers.activation import gated_product
 from deepinfer_dp.layers.attention import Attention, AttentionMetadata, ForwardContext
 from deepinfer_dp.layers.mla import allocate_mla_cache, is_mla, mla_bytes_per_block
 from deepinfer_dp.layers.norm import RMSNorm
+from deepinfer_dp.layers.packed import takes_bf16_rows
 from deepinfer_dp.layers.rotary import RotaryEmbedding, make_rotary, rope_parameters
 from deepinfer_dp.models.llama_cpu_decode import LlamaCpuDecode
 from deepinfer_dp.utils.cpu_malloc import resident_zeros
@@ -145,7 +146,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_product(self.gate_up_proj, x, "silu"))
+        return self.down_proj(gated_product(self.gate_up_proj, x, "silu", takes_bf16_rows(self.down_proj)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,12 +163,15 @@ class LlamaDecoderLayer(nn.Module):
         (or the model's final one) adds the two as it normalizes, in the same pass, rather than
         a separate add over every row. `hidden` is the previous layer's MLP output, or with
         residual None the embeddings."""
+        # A norm whose rows go to a bf16 product hands them over rounded (packed.takes_bf16_rows).
+        attn_rounds = type(self.self_attn) is LlamaAttention and takes_bf16_rows(self.self_attn.qkv_proj)
+        mlp_rounds = type(self.mlp) is LlamaMLP and takes_bf16_rows(self.mlp.gate_up_proj)
         if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
+            residual, normed = hidden, self.input_layernorm(hidden, attn_rounds)
         else:
-            residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
+            residual, normed = self.input_layernorm.add_and_norm(hidden, residual, attn_rounds)
         attn_out = self.self_attn(positions, normed)
-        residual, normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        residual, normed = self.post_attention_layernorm.add_and_norm(attn_out, residual, mlp_rounds)
         return self.mlp(normed), residual
 
     def make_mlp(self, config, layer_index: int) -> nn.Module:

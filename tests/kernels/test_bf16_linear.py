@@ -241,6 +241,60 @@ def test_gate_up_and_activation_in_one_pass_give_the_two_calls_floats(m, activat
         assert np.array_equal(got, want), threads
 
 
+def rounded(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape, np.uint16)
+    _C.bf16_round(x, out)
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 16, 19, 1000, 1001])
+def test_rows_already_rounded_give_the_floats_of_the_rows_they_came_from(m):
+    """packed_linear and bf16_gated_linear take bf16 rows (uint16 bits) rounded by whoever made
+    them: any row count (AMX's last partial tile read from a padded copy), any thread split,
+    the floats of the fp32 rows; the gated pass's bf16 output is its fp32 output rounded."""
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=g), torch.randn(2 * 96, 576, generator=g) * 0.1
+    data, xb = pairs(w), rounded(x.numpy())
+    bias = torch.randn(192, generator=g).numpy()
+    want = np.empty((m, 192), np.float32)
+    _C.packed_linear(x.numpy(), data, "bf16_pairs", 576, bias, want, 1)
+    want_gated = np.empty((m, 96), np.float32)
+    if AMX:
+        _C.bf16_gated_linear(x.numpy(), data, 576, want_gated, 1, "silu")
+    for threads in (1, 2, 3):
+        got = np.full((m, 192), np.nan, np.float32)
+        _C.packed_linear(xb, data, "bf16_pairs", 576, bias, got, threads)
+        assert np.array_equal(got, want), threads
+        if not AMX:
+            continue
+        for x_in in (x.numpy(), xb):
+            got_gated, got_b = np.full((m, 96), np.nan, np.float32), np.zeros((m, 96), np.uint16)
+            _C.bf16_gated_linear(x_in, data, 576, got_gated, threads, "silu")
+            _C.bf16_gated_linear(x_in, data, 576, got_b, threads, "silu")
+            assert np.array_equal(got_gated, want_gated) and np.array_equal(got_b, rounded(want_gated)), threads
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_into_bf16_rows_is_its_fp32_rows_rounded(residual):
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(37, 576, generator=g).numpy(), torch.randn(37, 576, generator=g).numpy()
+    weight = torch.randn(576, generator=g).numpy()
+    want, x_fp32 = np.empty_like(x), x.copy()
+    _C.rms_norm(x_fp32, r if residual else None, weight, 1e-6, want, 2)
+    got, x_b = np.zeros(x.shape, np.uint16), x.copy()
+    _C.rms_norm(x_b, r if residual else None, weight, 1e-6, got, 2)
+    assert np.array_equal(got, rounded(want)) and np.array_equal(x_b, x_fp32)  # the sum written back alike
+
+
+def test_bf16_rows_go_to_bf16_pairs_only():
+    with pytest.raises(ValueError, match="bf16_pairs matrix only, not q8_0"):
+        _C.packed_linear(np.zeros((1, 32), np.uint16), np.zeros((16, 16), np.uint8), "q8_0", 32, None,
+                         np.zeros((1, 16), np.float32), 1)
+    layer = PackedLinear(PackedWeight.from_bf16(torch.zeros(16, 64, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="bf16 rows into a bf16 matrix"):
+        layer(torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
 def test_gate_up_pass_takes_whole_halves_on_amx_only():
     assert _C.bf16_gated_fits(192, 576) == AMX
     assert not _C.bf16_gated_fits(208, 576)  # halves of 104 rows: no whole 16-row blocks

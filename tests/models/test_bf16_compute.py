@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from deepinfer_dp import _C, LLM, SamplingParams
 from deepinfer_dp.layers.attention import attention_layers
+from deepinfer_dp.layers.norm import RMSNorm
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear
-from deepinfer_dp.models import bf16_compute, llama_cpu_decode
+from deepinfer_dp.models import bf16_compute, llama, llama_cpu_decode
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = prompts_of_lengths([5, 9, 3, 40, 17, 2, 11, 26])
@@ -110,13 +111,34 @@ def test_mlp_gate_up_and_activation_in_one_pass_change_no_float(bf16_dirs, monke
     module path's logits equal those of the product and the activation apart."""
     passes = []
     one_pass = PackedLinear.gated
-    monkeypatch.setattr(PackedLinear, "gated", lambda self, x, act: passes.append(act) or one_pass(self, x, act))
+    monkeypatch.setattr(PackedLinear, "gated",
+                        lambda self, x, act, *rest: passes.append(act) or one_pass(self, x, act, *rest))
     ids, logits = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
     assert passes and set(passes) == {"silu"}
     monkeypatch.setattr(PackedLinear, "fuses_gate", lambda self: False)
     ids_apart, logits_apart = run(bf16_dirs["llama-gqa"], monkeypatch, stack=False)
     assert ids == ids_apart and len(logits) == len(logits_apart) > 10
     for a, b in zip(logits, logits_apart, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
+def test_rows_handed_over_rounded_change_no_float(bf16_dirs, monkeypatch, kind):
+    """The norms before a bf16 product, and the one-pass gate/up before the down product, hand
+    it their rows in bf16 (packed.takes_bf16_rows): the logits equal those with fp32 rows,
+    which the product rounds itself."""
+    asked = []
+    kernel_out = RMSNorm._kernel_out
+    monkeypatch.setattr(RMSNorm, "_kernel_out",
+                        staticmethod(lambda rows, rounded: asked.append(rounded) or kernel_out(rows, rounded)))
+    ids, logits = run(bf16_dirs[kind], monkeypatch, stack=False)
+    assert True in asked
+    asked.clear()
+    monkeypatch.setattr(llama, "takes_bf16_rows", lambda module: False)
+    ids_fp32, logits_fp32 = run(bf16_dirs[kind], monkeypatch, stack=False)
+    assert asked and True not in asked
+    assert ids == ids_fp32 and len(logits) == len(logits_fp32) > 10
+    for a, b in zip(logits, logits_fp32, strict=True):
         assert torch.equal(a, b)
 
 

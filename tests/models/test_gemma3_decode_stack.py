@@ -50,7 +50,8 @@ def test_stack_equals_the_modules_bit_for_bit(case, model_dirs, monkeypatch):
     kind, engine = CASES[case]
     passes = []
     one_pass = PackedLinear.gated
-    monkeypatch.setattr(PackedLinear, "gated", lambda self, x, act: passes.append(act) or one_pass(self, x, act))
+    monkeypatch.setattr(PackedLinear, "gated",
+                        lambda self, x, act, *rest: passes.append(act) or one_pass(self, x, act, *rest))
     ids_on, hidden_on, stack = hidden_per_step(str(model_dirs[kind]), monkeypatch, True, 2, **engine)
     ids_off, hidden_off, _ = hidden_per_step(str(model_dirs[kind]), monkeypatch, False, 2, **engine)
     assert isinstance(stack, LlamaCpuDecode) and stack.steps >= 11  # every decode step went through it
