@@ -122,7 +122,7 @@ def test_mlp_gate_up_and_activation_in_one_pass_change_no_float(bf16_dirs, monke
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
 def test_rows_handed_over_rounded_change_no_float(bf16_dirs, monkeypatch, kind):
     """The norms before a bf16 product, and the one-pass gate/up before the down product, hand
     it their rows in bf16 (packed.takes_bf16_rows): the logits equal those with fp32 rows,
