@@ -249,11 +249,16 @@ AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys]
       valid[i] = _mm512_cmpgt_epi32_mask(len, pos) & _mm512_cmple_epi32_mask(start, pos);
     }
   }
-  __m512 most[4];  // four chains of maxes, not one waiting on each one's latency (a max is exact in any order)
-  for (int i = 0; i < 4; ++i) most[i] = _mm512_set1_ps(-INFINITY);
-  for (int i = 0; i < kKeys; ++i)
-    most[i % 4] = _mm512_mask_max_ps(most[i % 4], valid[i], most[i % 4], _mm512_mul_ps(_mm512_load_ps(st[i]), c));
-  const __m512 bmax = _mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]));
+  // Four chains of maxes, not one waiting on each one's latency (a max is exact in any order),
+  // in four named registers: indexed by i % 4 the compiler kept them in memory.
+  __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  for (int i = 0; i < kKeys; i += 4) {
+    m0 = _mm512_mask_max_ps(m0, valid[i], m0, _mm512_mul_ps(_mm512_load_ps(st[i]), c));
+    m1 = _mm512_mask_max_ps(m1, valid[i + 1], m1, _mm512_mul_ps(_mm512_load_ps(st[i + 1]), c));
+    m2 = _mm512_mask_max_ps(m2, valid[i + 2], m2, _mm512_mul_ps(_mm512_load_ps(st[i + 2]), c));
+    m3 = _mm512_mask_max_ps(m3, valid[i + 3], m3, _mm512_mul_ps(_mm512_load_ps(st[i + 3]), c));
+  }
+  const __m512 bmax = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
   const __m512 m_old = _mm512_load_ps(tl.m), m_new = _mm512_max_ps(m_old, bmax);
   const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
   const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp2_nonpositive16(_mm512_sub_ps(m_old, m_new)));
