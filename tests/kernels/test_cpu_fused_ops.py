@@ -37,18 +37,19 @@ def test_rms_norm_module_on_cpu(width):
     torch.testing.assert_close(normed, norm(x + res), atol=0, rtol=0)
 
 
-def test_rotary_in_place_on_strided_q_and_k_equals_torch_exactly():
+@pytest.mark.parametrize("d", [64, 40])  # 40: half a head of 20, 16 lanes and a scalar tail
+def test_rotary_in_place_on_strided_q_and_k_equals_torch_exactly(d):
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(6, 9 * 64 + 2 * 3 * 64, generator=g)
-    q = qkv[:, :576].view(6, 9, 64)
-    k = qkv[:, 576:768].view(6, 3, 64)
-    cos, sin = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
+    qkv = torch.randn(6, 9 * d + 2 * 3 * d, generator=g)
+    q = qkv[:, :9 * d].view(6, 9, d)
+    k = qkv[:, 9 * d:12 * d].view(6, 3, d)
+    cos, sin = torch.randn(6, d, generator=g), torch.randn(6, d, generator=g)
     want_q, want_k = _apply(q.clone(), cos[:, None], sin[:, None]), _apply(k.clone(), cos[:, None], sin[:, None])
-    v_before = qkv[:, 768:].clone()
+    v_before = qkv[:, 12 * d:].clone()
     _C.rotary(q.numpy(), cos.numpy(), sin.numpy())
     _C.rotary(k.numpy(), cos.numpy(), sin.numpy())
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(qkv[:, 768:], v_before)  # v, beside them in the row, untouched
+    assert torch.equal(qkv[:, 12 * d:], v_before)  # v, beside them in the row, untouched
 
 
 @pytest.mark.parametrize("vocab", [49152, 1000, 13])  # 13: the portable loop
