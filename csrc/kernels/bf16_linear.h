@@ -57,7 +57,8 @@ void bf16_round_rows(const float *x, int M, int cols, uint16_t *out);
 // as they store them (bf16_round_rows itself, the gated product's bf16 output).
 __attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 f) {
   const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);  // round half to even
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   r = _mm512_mask_and_epi32(r, _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7f80)), r, _mm512_set1_epi32(0x8000));
   return _mm512_cvtepi32_epi16(r);

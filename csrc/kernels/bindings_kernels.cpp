@@ -119,8 +119,10 @@ void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, 
   linear_threaded(xp, wp, bp, yp, M, N, K, num_threads);
 }
 
-// rms_norm's checks; returns x's rows T.
-int check_rms_norm(const F32 &x, const std::optional<F32> &residual, const F32 &weight, const py::array &out) {
+// Out: F32, or U16 for the norm's floats rounded to bf16 (the input of a bf16 product).
+template <class Out>
+void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, Out &out,
+                 int num_threads) {
   need(x.ndim() == 2 && out.ndim() == 2 && weight.ndim() == 1, "rms_norm", "want x/out [T, H], weight [H]");
   const int T = dim(x, 0, "rms_norm"), H = dim(x, 1, "rms_norm");
   need(H > 0, "rms_norm", "the hidden size must be non-zero");
@@ -128,30 +130,17 @@ int check_rms_norm(const F32 &x, const std::optional<F32> &residual, const F32 &
   need(!residual || (residual->ndim() == 2 && residual->shape(0) == T && residual->shape(1) == H), "rms_norm",
        "residual must have x's shape");
   need(out.writeable() && (!residual || x.writeable()), "rms_norm", "out (and x, with a residual) must be writable");
-  return T;
-}
-
-void rms_norm_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, F32 &out,
-                 int num_threads) {
-  const int T = check_rms_norm(x, residual, weight, out), H = static_cast<int>(x.shape(1));
   need(num_threads >= 1, "rms_norm", "num_threads must be >= 1");
   float *xp = residual ? x.mutable_data() : const_cast<float *>(x.data());
   const float *rp = residual ? residual->data() : nullptr, *wp = weight.data();
-  float *op = out.mutable_data();
+  auto *op = out.mutable_data();
   py::gil_scoped_release release;
-  split_rows(T, num_threads, [&](int begin, int end) { rms_norm_rows(xp, rp, wp, eps, op, H, begin, end); });
-}
-
-// rms_norm with out in bf16 (uint16 bits): the input of a bf16 product.
-void rms_norm_rounded_py(F32 &x, const std::optional<F32> &residual, const F32 &weight, float eps, U16 &out,
-                         int num_threads) {
-  const int T = check_rms_norm(x, residual, weight, out), H = static_cast<int>(x.shape(1));
-  need(num_threads >= 1, "rms_norm", "num_threads must be >= 1");
-  float *xp = residual ? x.mutable_data() : const_cast<float *>(x.data());
-  const float *rp = residual ? residual->data() : nullptr, *wp = weight.data();
-  uint16_t *op = out.mutable_data();
-  py::gil_scoped_release release;
-  split_rows(T, num_threads, [&](int begin, int end) { rms_norm_rows_rounded(xp, rp, wp, eps, op, H, begin, end); });
+  split_rows(T, num_threads, [&](int begin, int end) {
+    if constexpr (std::is_same<Out, U16>::value)
+      rms_norm_rows_rounded(xp, rp, wp, eps, op, H, begin, end);
+    else
+      rms_norm_rows(xp, rp, wp, eps, op, H, begin, end);
+  });
 }
 
 // An activation of a gated MLP (silu_mul, gelu_tanh_mul) over gate_up [T, 2I] -> out [T, I].
@@ -242,12 +231,12 @@ py::array_t<int64_t> masked_argmax_py(const F32 &x, const py::array_t<int64_t, p
 }  // namespace
 
 void bind_kernels(py::module_ &m) {
-  m.def("rms_norm", &rms_norm_py, py::arg("x").noconvert(), py::arg("residual").noconvert(), py::arg("weight").noconvert(),
-        py::arg("eps"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
+  m.def("rms_norm", &rms_norm_py<F32>, py::arg("x").noconvert(), py::arg("residual").noconvert(),
+        py::arg("weight").noconvert(), py::arg("eps"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "out = RMSNorm(x) * weight over rows of x [T, H] float32; with residual [T, H], x += residual first\n"
         "(in place: the decoder's residual stream), then the norm of the sum. num_threads > 1 splits\n"
         "the rows (each row's floats are the same whatever the split).");
-  m.def("rms_norm", &rms_norm_rounded_py, py::arg("x").noconvert(), py::arg("residual").noconvert(),
+  m.def("rms_norm", &rms_norm_py<U16>, py::arg("x").noconvert(), py::arg("residual").noconvert(),
         py::arg("weight").noconvert(), py::arg("eps"), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "The same with out [T, H] uint16: the norm's floats rounded to bf16 (bf16_round_rows), for a bf16\n"
         "product's input.");
