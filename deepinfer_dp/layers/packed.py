@@ -173,20 +173,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
-        if x2.dtype == torch.bfloat16:  # rows a producer rounded for this product (takes_bf16_rows)
-            if not takes_bf16_rows(self):
-                raise ValueError(f"bf16 rows into a {self.weight_packed.format} matrix (bf16_pairs only)")
-            out = large_outputs.empty(rows, self.out_features)
-            bias = None if self.bias is None else self.bias.detach().numpy()
-            self.weight_packed.linear(bf16_bits(x2), bias, out.numpy(), cpu_threads.kernel_threads())
-            return out.reshape(*x.shape[:-1], self.out_features)
+        # bf16 rows: a producer rounded them for this product (takes_bf16_rows), bf16_pairs only.
+        if x2.dtype == torch.bfloat16 and not takes_bf16_rows(self):
+            raise ValueError(f"bf16 rows into a {self.weight_packed.format} matrix (bf16_pairs only)")
         # bf16_pairs always takes its kernel: a widened GEMM would compute in fp32, not bf16.
         if rows > KERNEL_MAX_ROWS and not cpu_threads.batch_invariant() and self.weight_packed.format != "bf16_pairs":
             out = self._widened_gemm(x2)
         else:
             out = large_outputs.empty(rows, self.out_features)
             bias = None if self.bias is None else self.bias.detach().numpy()
-            self.weight_packed.linear(x2.numpy(), bias, out.numpy(), cpu_threads.kernel_threads())
+            self.weight_packed.linear(kernel_array(x2), bias, out.numpy(), cpu_threads.kernel_threads())
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def fuses_gate(self) -> bool:
