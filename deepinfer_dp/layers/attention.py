@@ -27,6 +27,7 @@ from torch import nn
 
 from deepinfer_dp import _C
 from deepinfer_dp.layers import cpu_threads
+from deepinfer_dp.layers.packed import kernel_array
 
 # The C++ paged attention on CPU (fp32) for decode and short prefill chunks; False selects
 # the gather + SDPA path everywhere.
@@ -228,11 +229,6 @@ def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and k_cache.dtype in (torch.float32, torch.bfloat16))
 
 
-def cache_array(cache: torch.Tensor) -> np.ndarray:
-    """A CPU cache as the kernels take it: fp32 as is, bf16 viewed as uint16 (same memory)."""
-    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()
-
-
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float,
                         window: int = 0, bf16_math: bool = False) -> torch.Tensor:
@@ -240,7 +236,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     positions, when set), read in place through the block tables (no gathered copy, no
     per-sequence SDPA setup), on torch's threads; bf16_math: in bf16 arithmetic (Attention.bf16_math)."""
     out = torch.empty_like(q)
-    _C.paged_attention(q.contiguous().numpy(), cache_array(k_cache), cache_array(v_cache), block_tables.numpy(),
+    _C.paged_attention(q.contiguous().numpy(), kernel_array(k_cache), kernel_array(v_cache), block_tables.numpy(),
                        context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
                        query_rows, window, bf16_math=bf16_math)
     return out

@@ -233,14 +233,10 @@ def takes_bf16_rows(module: nn.Module) -> bool:
     return isinstance(module, PackedLinear) and module.weight_packed.format == "bf16_pairs"
 
 
-def bf16_bits(x: torch.Tensor) -> np.ndarray:
-    """A contiguous bf16 tensor's bits as a uint16 NumPy view, for the kernels."""
-    return x.view(torch.int16).numpy().view(np.uint16)
-
-
 def kernel_array(x: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's NumPy view for a kernel: bf16 rows as their uint16 bits."""
-    return bf16_bits(x) if x.dtype == torch.bfloat16 else x.numpy()
+    """A CPU tensor's NumPy view for a kernel (same memory): fp32 as is, bf16 (rows, a KV
+    cache) as its uint16 bits."""
+    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
 
 
 class PackedEmbedding(nn.Module):

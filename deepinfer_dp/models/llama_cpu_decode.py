@@ -152,8 +152,8 @@ class LlamaCpuDecode:
         caches = [a.k_cache for a in self.attns]
         if len(caches) != len(self._caches) or any(c is not d for c, d in zip(caches, self._caches, strict=True)):
             # (Re)bound since the stack last saw them.
-            self.stack.set_caches([attention.cache_array(c) for c in caches],
-                                  [attention.cache_array(a.v_cache) for a in self.attns],
+            self.stack.set_caches([packed.kernel_array(c) for c in caches],
+                                  [packed.kernel_array(a.v_cache) for a in self.attns],
                                   bf16_attention=self.attns[0].bf16_math)
             self._caches = caches
         threads = cpu_threads.kernel_threads()

@@ -16,7 +16,7 @@ from deepseek_utils import build_tiny_deepseek
 from model_utils import build_tiny_model, prompts_of_lengths, token_ids
 
 from deepinfer_dp import _C, LLM, SamplingParams
-from deepinfer_dp.layers import attention as A
+from deepinfer_dp.layers.packed import kernel_array
 from deepinfer_dp.models import llama_cpu_decode
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -46,7 +46,7 @@ def test_kernel_on_a_bf16_cache_equals_it_widened_to_fp32(head_dim):
     widened, on_bf16 = torch.empty_like(q), torch.empty_like(q)
     _C.paged_attention(q.numpy(), k16.float().numpy(), v16.float().numpy(), tables, lens, widened.numpy(), 0.125, 2,
                        rows)
-    _C.paged_attention(q.numpy(), A.cache_array(k16), A.cache_array(v16), tables, lens, on_bf16.numpy(), 0.125, 2,
+    _C.paged_attention(q.numpy(), kernel_array(k16), kernel_array(v16), tables, lens, on_bf16.numpy(), 0.125, 2,
                        rows)
     assert torch.equal(on_bf16, widened)
 
@@ -55,7 +55,7 @@ def test_kernel_refuses_mixed_cache_types():
     q, k16, v16, tables, lens, rows = bf16_case(64)
     out = torch.empty_like(q)
     with pytest.raises(TypeError):
-        _C.paged_attention(q.numpy(), A.cache_array(k16), v16.float().numpy(), tables, lens, out.numpy(), 0.125, 1,
+        _C.paged_attention(q.numpy(), kernel_array(k16), v16.float().numpy(), tables, lens, out.numpy(), 0.125, 1,
                            rows)
 
 

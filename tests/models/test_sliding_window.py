@@ -12,6 +12,7 @@ from transformers import MistralConfig, Qwen2Config
 
 from deepinfer_dp import _C, LLM, SamplingParams
 from deepinfer_dp.layers import attention as A
+from deepinfer_dp.layers.packed import kernel_array
 
 WINDOW = 16
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -109,7 +110,7 @@ def test_windowed_kernel_equals_masked_torch(dtype):
                                       window)
         assert torch.equal(alone[0], together[j])
     with pytest.raises(ValueError, match="window must be >= 0"):
-        _C.paged_attention(q.numpy(), A.cache_array(k_cache), A.cache_array(v_cache), tables.numpy(),
+        _C.paged_attention(q.numpy(), kernel_array(k_cache), kernel_array(v_cache), tables.numpy(),
                            md.seq_lens.numpy(), torch.empty_like(q).numpy(), 0.125, 1, None, -1)
 
 
