@@ -14,6 +14,7 @@
 
 #include "cpu_fused_ops.h"
 #include "cpu_linear.h"
+#include "kv_store.h"
 #include "paged_attention.h"
 #include "paged_attention_amx.h"
 #include "thread_pool.h"
@@ -27,6 +28,7 @@ namespace {
 using F32 = py::array_t<float, py::array::c_style>;
 using I32 = py::array_t<int32_t, py::array::c_style>;
 using U16 = py::array_t<uint16_t, py::array::c_style>;  // a bf16 cache, viewed as uint16
+using F32Rows = py::array_t<float>;  // [T, heads, D] rows any stride (heads_row_stride)
 
 // Every check raises ValueError("<op>: <what was wrong>").
 void need(bool ok, const char *op, const std::string &what) {
@@ -41,8 +43,18 @@ int dim(const py::array &a, int d, const char *op) {
   return static_cast<int>(a.shape(d));
 }
 
+// Rows of a [T, heads, D] float32 array whose heads are contiguous and whose rows may lie
+// apart (q, k or v inside the fused qkv output, read in place): floats between rows.
+int64_t heads_row_stride(const py::array_t<float> &x, const char *op, const char *name) {
+  const auto f = static_cast<py::ssize_t>(sizeof(float));
+  need(x.ndim() == 3 && x.strides(2) == f && x.strides(1) == x.shape(2) * f && x.strides(0) % f == 0 &&
+           x.strides(0) >= x.shape(1) * x.shape(2) * f,
+       op, std::string(name) + " must be [T, heads, D] float32 with each row's heads contiguous");
+  return x.strides(0) / f;
+}
+
 template <class Cache>
-PagedAttentionShape check_shapes(const F32 &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
+PagedAttentionShape check_shapes(const F32Rows &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
                                  const I32 &context_lens, const F32 &out) {
   require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
               block_tables.ndim() == 2 && context_lens.ndim() == 1,
@@ -57,6 +69,7 @@ PagedAttentionShape check_shapes(const F32 &q, const Cache &k_cache, const Cache
   s.block_size = dim(k_cache, 1, op);
   s.num_kv_heads = dim(k_cache, 2, op);
   s.max_blocks = dim(block_tables, 1, op);
+  s.q_stride = heads_row_stride(q, op, "q");
   for (int d = 0; d < 4; ++d) require(k_cache.shape(d) == v_cache.shape(d), "k_cache and v_cache differ in shape");
   for (int d = 0; d < 3; ++d) require(out.shape(d) == q.shape(d), "out must have q's shape");
   // Only the number of queries (and of block-table rows) may be zero: nothing to do.
@@ -72,7 +85,7 @@ PagedAttentionShape check_shapes(const F32 &q, const Cache &k_cache, const Cache
 
 // Cache: F32, or U16 for a bf16 cache (the overload pybind11 picks by the caches' dtype).
 template <class Cache>
-void paged_attention_py(const F32 &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
+void paged_attention_py(const F32Rows &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
                         const I32 &context_lens, F32 &out, float scale, int num_threads,
                         const std::optional<I32> &query_rows, int window, bool bf16_math) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
@@ -101,6 +114,34 @@ void paged_attention_py(const F32 &q, const Cache &k_cache, const Cache &v_cache
   const KvDtype dtype = std::is_same<Cache, U16>::value ? KvDtype::kBF16 : KvDtype::kF32;
   py::gil_scoped_release release;  // the host thread keeps working while this runs
   paged_attention_threaded(s, qp, kp, vp, dtype, tables, rows, lens, scale, dst, num_threads);
+}
+
+// Cache: F32, or U16 for a bf16 cache. The slots are copied and checked against the cache
+// before the GIL is dropped (a bad slot raises instead of writing outside the cache).
+template <class Cache>
+void store_kv_py(const F32Rows &k, const F32Rows &v, Cache &k_cache, Cache &v_cache,
+                 const py::array_t<int64_t, py::array::c_style> &slots, int num_threads) {
+  auto check = [](bool ok, const std::string &what) { need(ok, "store_kv", what); };
+  const int64_t k_stride = heads_row_stride(k, "store_kv", "k"), v_stride = heads_row_stride(v, "store_kv", "v");
+  check(k_cache.ndim() == 4 && v_cache.ndim() == 4, "want caches [blocks, block_size, Hkv, D]");
+  for (int d = 0; d < 4; ++d) check(k_cache.shape(d) == v_cache.shape(d), "k_cache and v_cache differ in shape");
+  for (int d = 0; d < 3; ++d) check(k.shape(d) == v.shape(d), "k and v differ in shape");
+  check(k.shape(1) == k_cache.shape(2) && k.shape(2) == k_cache.shape(3), "k's heads differ from the cache's");
+  check(slots.ndim() == 1 && slots.shape(0) == k.shape(0), "slots needs one entry per row of k");
+  check(k_cache.writeable() && v_cache.writeable(), "the caches must be writable");
+  check(num_threads >= 1, "num_threads must be >= 1");
+  const int rows = dim(k, 0, "store_kv");
+  const int64_t capacity = static_cast<int64_t>(k_cache.shape(0)) * k_cache.shape(1);
+  std::vector<int64_t> ids(slots.data(), slots.data() + rows);
+  for (const int64_t slot : ids)
+    check(slot >= 0 && slot < capacity, "slot " + std::to_string(slot) + " outside the cache's " +
+                                            std::to_string(capacity));
+  const KvRows r{k.data(), v.data(), k_stride, v_stride, rows, dim(k, 1, "store_kv") * dim(k, 2, "store_kv"),
+                 ids.data()};
+  void *kp = k_cache.mutable_data(), *vp = v_cache.mutable_data();
+  const KvDtype dtype = std::is_same<Cache, U16>::value ? KvDtype::kBF16 : KvDtype::kF32;
+  py::gil_scoped_release release;
+  kv_store_rows(r, kp, vp, dtype, num_threads);
 }
 
 void linear_py(const F32 &x, const F32 &weight, const std::optional<F32> &bias, F32 &out, int num_threads) {
@@ -170,20 +211,19 @@ void gelu_tanh_mul_py(const F32 &gate_up, F32 &out, int num_threads) {
   gated_act_py<gelu_tanh_mul>(gate_up, out, num_threads, "gelu_tanh_mul");
 }
 
-void rotary_py(py::array_t<float> &x, const F32 &cos, const F32 &sin) {
+void rotary_py(F32Rows &x, const F32 &cos, const F32 &sin, int num_threads) {
   need(x.ndim() == 3 && cos.ndim() == 2 && sin.ndim() == 2, "rotary", "want x [T, heads, D], cos/sin [T, D]");
   const int T = dim(x, 0, "rotary"), heads = dim(x, 1, "rotary"), D = dim(x, 2, "rotary");
-  const auto f = static_cast<py::ssize_t>(sizeof(float));
   need(heads > 0 && D > 0, "rotary", "heads and D must be non-zero");
   need(D % 2 == 0 && cos.shape(0) == T && cos.shape(1) == D && sin.shape(0) == T && sin.shape(1) == D, "rotary",
        "cos and sin must be [T, D] with D even");
-  need(x.strides(2) == f && x.strides(1) == D * f && x.strides(0) % f == 0 && x.strides(0) >= heads * D * f,
-       "rotary", "x's heads must be contiguous (rows may be strided)");
+  const int64_t stride = heads_row_stride(x, "rotary", "x");
   need(x.writeable(), "rotary", "x must be writable");
+  need(num_threads >= 1, "rotary", "num_threads must be >= 1");
   float *xp = x.mutable_data();
   const float *cp = cos.data(), *sp = sin.data();
   py::gil_scoped_release release;
-  rotary_rows(xp, x.strides(0) / f, heads, D, cp, sp, 0, T);
+  split_rows(T, num_threads, [&](int begin, int end) { rotary_rows(xp, stride, heads, D, cp, sp, begin, end); });
 }
 
 py::array_t<int64_t> argmax_py(const F32 &x, int num_threads) {
@@ -251,8 +291,9 @@ void bind_kernels(py::module_ &m) {
         "MLP; tanh GELU as x / (1 + e^-z) with silu_mul's e^x, the same for every element). num_threads > 1\n"
         "splits the rows.");
   m.def("rotary", &rotary_py, py::arg("x").noconvert(), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
+        py::arg("num_threads") = 1,
         "RoPE (rotate_half layout) in place on x [T, heads, D] float32 (rows may be strided, e.g. q or k\n"
-        "inside a fused qkv output) with cos/sin [T, D].");
+        "inside a fused qkv output) with cos/sin [T, D]. num_threads > 1 splits the rows.");
   m.def("argmax", &argmax_py, py::arg("x").noconvert(), py::arg("num_threads") = 1,
         "Row-wise argmax of x [N, V] float32 as int64 [N] (first index on ties, first NaN if any).\n"
         "num_threads > 1 splits the rows.");
@@ -270,7 +311,8 @@ void bind_kernels(py::module_ &m) {
         "Attention of each query row over its own context, read in place from the paged KV cache.\n"
         "q/out [T, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
         "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
-        "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous.\n"
+        "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous but q,\n"
+        "whose rows may lie apart (its heads contiguous: q inside a fused qkv output).\n"
         "num_threads > 1 splits the queries across that many threads (the caller's and the pool's).\n"
         "window > 0: each query sees only its last `window` positions (a sliding window).\n"
         "bf16_math: with a bf16 cache, bf16 arithmetic on AMX tiles where the CPU has them (dtype=bfloat16).");
@@ -280,6 +322,16 @@ void bind_kernels(py::module_ &m) {
         py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0, py::arg("bf16_math") = false,
         "The same over bf16 caches, viewed as uint16 (kv_cache_dtype=bfloat16): each element widened\n"
         "exactly to fp32 as it is read.");
+  m.def("store_kv", &store_kv_py<F32>, py::arg("k").noconvert(), py::arg("v").noconvert(),
+        py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("slots").noconvert(),
+        py::arg("num_threads") = 1,
+        "Row t of k and v [T, Hkv, D] float32 (heads contiguous, rows any stride) into slot slots[t]\n"
+        "(int64 [T]) of k_cache and v_cache [num_blocks, block_size, Hkv, D] float32.\n"
+        "num_threads > 1 splits the rows.");
+  m.def("store_kv", &store_kv_py<U16>, py::arg("k").noconvert(), py::arg("v").noconvert(),
+        py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("slots").noconvert(),
+        py::arg("num_threads") = 1,
+        "The same into bf16 caches, viewed as uint16: each value rounded as torch's .to(torch.bfloat16).");
   m.def("bf16_attention_amx", [](int head_dim) {
         PagedAttentionShape s{};
         s.head_dim = head_dim;

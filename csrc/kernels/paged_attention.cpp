@@ -152,7 +152,7 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
                   const int32_t *context_lens, float scale, float *out, int begin, int end) {
   const int group = s.num_heads / s.num_kv_heads, kv_units = std::min(per_span, s.num_kv_heads);
   const int q_parts = per_span / kv_units, kv_per = s.num_kv_heads / kv_units, heads = kv_per * group / q_parts;
-  const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D;
+  const size_t D = s.head_dim, stride = static_cast<size_t>(s.num_heads) * D, q_stride = q_row_stride(s);
   const size_t row = static_cast<size_t>(s.num_kv_heads) * D;
   const ChunkFn<T> fast = pick_chunk_fn<T>(s.head_dim);
   std::vector<float> scores;
@@ -163,9 +163,9 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
     const int32_t *lens = context_lens + i;
     // HF's repeat_kv: query heads [g * group, (g + 1) * group) read KV head g.
     PagedRows<T> k{k_cache + g * D, blocks, s.block_size, row}, v{v_cache + g * D, blocks, s.block_size, row};
-    const size_t first = i * stride + (static_cast<size_t>(g) * group + r % q_parts * heads) * D;
-    const QueryChunk chunk{q + first, out + first, stride, lens, sp.count, s.window, heads,
-                           q_parts > 1 ? heads : group};
+    const size_t head = (static_cast<size_t>(g) * group + r % q_parts * heads) * D;
+    const QueryChunk chunk{q + i * q_stride + head, out + i * stride + head, q_stride, stride, lens,
+                           sp.count, s.window, heads, q_parts > 1 ? heads : group};
     scores.resize(static_cast<size_t>(*std::max_element(lens, lens + sp.count)) * chunk.heads * sp.count);
     if (fast) {
       fast(chunk, k, v, scale, scores.data());
@@ -175,7 +175,7 @@ void attend_units(const PagedAttentionShape &s, const std::vector<Span> &spans, 
       for (int h = 0; h < chunk.heads; ++h) {
         const size_t at = h / chunk.group * D;  // its KV head in the unit
         const PagedRows<T> kh{k.cache + at, blocks, s.block_size, row}, vh{v.cache + at, blocks, s.block_size, row};
-        attend_head_scalar(chunk.q + j * stride + h * D, kh, vh, window_start(lens[j], s.window), lens[j],
+        attend_head_scalar(chunk.q + j * q_stride + h * D, kh, vh, window_start(lens[j], s.window), lens[j],
                            s.head_dim, scale, scores.data(), chunk.out + j * stride + h * D);
       }
   }
@@ -201,23 +201,6 @@ std::string paged_context_error(const PagedAttentionShape &s, const int32_t *blo
       if (id < 0 || id >= s.num_blocks) return "block id outside the cache";
     }
   return "";
-}
-
-uint16_t bf16_from_float(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN: the canonical quiet NaN, as torch gives
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_t n) {
-  if (dtype == KvDtype::kF32) {
-    std::memcpy(static_cast<float *>(cache) + offset, src, sizeof(float) * n);
-    return;
-  }
-  uint16_t *dst = static_cast<uint16_t *>(cache) + offset;
-  for (size_t i = 0; i < n; ++i) dst[i] = bf16_from_float(src[i]);
 }
 
 std::vector<QuerySpan> query_spans(const int32_t *rows, int n, int most) {

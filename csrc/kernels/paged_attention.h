@@ -11,18 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "kv_store.h"
+
 namespace deepinfer {
-
-// A KV cache's element type. bf16 is the top half of an fp32: widening it back is exact, so
-// the kernel's arithmetic on a bf16 cache equals the fp32 path's on that cache widened.
-enum class KvDtype { kF32, kBF16 };
-
-// An fp32 value rounded to bf16 (to nearest, ties to even; NaN stays NaN), as torch's
-// .to(torch.bfloat16) rounds it.
-uint16_t bf16_from_float(float x);
-
-// Stores n fp32 values at element `offset` of a cache of element type `dtype`.
-void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_t n);
 
 struct PagedAttentionShape {
   int num_queries;   // T: query tokens, each with its own context
@@ -37,7 +28,14 @@ struct PagedAttentionShape {
   // bf16 arithmetic on AMX tiles over a bf16 cache (paged_attention_amx.h), for dtype=bfloat16;
   // where the CPU or the head size does not allow it, the fp32 arithmetic as without it.
   bool bf16_math = false;
+  // Floats between query rows of q (0: num_heads * head_dim, q contiguous): q may be read in
+  // place inside a fused qkv output. out is always contiguous.
+  int64_t q_stride = 0;
 };
+
+inline size_t q_row_stride(const PagedAttentionShape &s) {
+  return s.q_stride ? static_cast<size_t>(s.q_stride) : static_cast<size_t>(s.num_heads) * s.head_dim;
+}
 
 // The first position a query with `len` positions of context sees under `window` (0: none):
 // transformers' sliding window, where key k is visible to query q when q - k < window.

@@ -145,7 +145,7 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
     tl.hi = std::max(tl.hi, tl.len[j]);
     tl.all_lo = std::max(tl.all_lo, tl.start[j]);
     tl.all_hi = std::min(tl.all_hi, tl.len[j]);
-    const float *src = c.q + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
+    const float *src = c.q + static_cast<size_t>(tl.t[j]) * q_row_stride(c.s) + static_cast<size_t>(tl.head[j]) * D;
     for (int d = 0; d < D; d += 16)
       _mm256_store_si256(reinterpret_cast<__m256i *>(qb[j] + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
   }

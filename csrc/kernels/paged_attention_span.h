@@ -51,7 +51,8 @@ inline float widen(uint16_t b) {
 struct QueryChunk {
   const float *q;       // the first query's heads; query j at q + j * q_stride
   float *out;           // likewise
-  size_t q_stride;      // floats between queries: num_heads * head_dim
+  size_t q_stride;      // floats between queries' rows of q
+  size_t out_stride;    // and of out: num_heads * head_dim
   const int32_t *lens;  // the queries' context lengths
   int count;
   int window;           // sliding window (0: none): query j reads [window_start(lens[j]), lens[j])
@@ -139,14 +140,14 @@ class SpanPass {
         attention_softmax::softmax_avx512(scores_of(j, 0) + first, longest_, c_.heads, n);
       else
         for (int h = 0; h < c_.heads; ++h) attention_softmax::softmax_avx2(scores_of(j, h) + first, n);
-      std::fill(c_.out + j * c_.q_stride, c_.out + j * c_.q_stride + c_.heads * D, 0.f);
+      std::fill(c_.out + j * c_.out_stride, c_.out + j * c_.out_stride + c_.heads * D, 0.f);
     }
   }
 
   float *scores_of(int j, int h) const { return scores_ + (static_cast<size_t>(j) * c_.heads + h) * longest_; }
 
   QueryHeads heads_of(int j, int t0, NextRows *next = nullptr) const {
-    return QueryHeads{c_.q + j * c_.q_stride, scores_of(j, 0) + t0, c_.out + j * c_.q_stride,
+    return QueryHeads{c_.q + j * c_.q_stride, scores_of(j, 0) + t0, c_.out + j * c_.out_stride,
                       static_cast<size_t>(longest_), c_.heads, c_.group, next};
   }
 

@@ -147,7 +147,12 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Writes k/v [T, Hkv, D] into the cache slots of this step (one indexed copy each)."""
+    """Writes k/v [T, Hkv, D] into the cache slots of this step: on CPU one C++ pass from where
+    the rows lie (views of the qkv output), elsewhere one indexed copy each."""
+    if _use_cpu_kernel(k, k_cache) and v.dtype == torch.float32:
+        _C.store_kv(_heads_rows(k).numpy(), _heads_rows(v).numpy(), kernel_array(k_cache), kernel_array(v_cache),
+                    slot_mapping.numpy(), cpu_threads.kernel_threads())
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -234,12 +239,20 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         window: int = 0, bf16_math: bool = False) -> torch.Tensor:
     """The C++ kernel: each query row attends over its own context (its last `window`
     positions, when set), read in place through the block tables (no gathered copy, no
-    per-sequence SDPA setup), on torch's threads; bf16_math: in bf16 arithmetic (Attention.bf16_math)."""
-    out = torch.empty_like(q)
-    _C.paged_attention(q.contiguous().numpy(), kernel_array(k_cache), kernel_array(v_cache), block_tables.numpy(),
+    per-sequence SDPA setup), on torch's threads; bf16_math: in bf16 arithmetic (Attention.bf16_math).
+    q's rows may lie apart (read in place inside the qkv output); out is contiguous."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    _C.paged_attention(_heads_rows(q).numpy(), kernel_array(k_cache), kernel_array(v_cache), block_tables.numpy(),
                        context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
                        query_rows, window, bf16_math=bf16_math)
     return out
+
+
+def _heads_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each row's heads contiguous, as the kernels read it (a copy otherwise)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def prefill_queries(md: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:

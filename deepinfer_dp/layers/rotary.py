@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers import cpu_threads
 
 
 def rope_parameters(config) -> dict:
@@ -146,9 +147,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._step_cos_sin
         if q.device.type == "cpu" and q.dtype == torch.float32:
             # One C++ pass each, in place (q and k are fresh: views of this step's qkv output).
-            cos_np, sin_np = cos.numpy(), sin.numpy()
-            _C.rotary(_heads_view(q), cos_np, sin_np)
-            _C.rotary(_heads_view(k), cos_np, sin_np)
+            cos_np, sin_np, threads = cos.numpy(), sin.numpy(), cpu_threads.kernel_threads()
+            _C.rotary(_heads_view(q), cos_np, sin_np, threads)
+            _C.rotary(_heads_view(k), cos_np, sin_np, threads)
             return q, k
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         return _apply(q, cos, sin), _apply(k, cos, sin)

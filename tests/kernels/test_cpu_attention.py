@@ -76,6 +76,8 @@ def test_kernel_refuses_bad_inputs():
         call(q=args[0].astype(np.float64))
     with pytest.raises(TypeError):  # nor is a non-contiguous output (results would be lost)
         call(out=np.empty((3, 64, 4), dtype=np.float32).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="q must be \\[T, heads, D\\] float32 with each row's heads contiguous"):
+        call(q=np.zeros((3, 64, 4), dtype=np.float32).transpose(0, 2, 1))
 
 
 @pytest.mark.parametrize("query_lens", [[3, 1, 7, 2], [1, 1, 1, 1], [5, 5, 5, 5]])
@@ -161,3 +163,19 @@ def test_queries_of_one_sequence_attended_together_equal_each_alone(head_dim):
         _C.paged_attention(q[t:t + 1].contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), table,
                            lens[t:t + 1], alone.numpy(), 0.125, 1, rows[t:t + 1])
         assert torch.equal(alone[0], together[t]), t
+
+
+@pytest.mark.parametrize("bf16_cache,bf16_math", [(False, False), (True, False), (True, True)])
+def test_queries_read_in_place_inside_a_qkv_output_give_the_same_floats(bf16_cache, bf16_math):
+    """A prefill's q rows lie apart, inside the fused qkv output; the kernels read them there
+    (the fp32 one and, with bf16_math on an AMX CPU, the tiles): the floats of a contiguous copy."""
+    _, k_cache, v_cache, md = random_case(3, 9, 3, 64, 16, seed=11)
+    lens = np.concatenate([np.arange(1, n + 1) for n in md.seq_lens_host]).astype(np.int32)
+    rows = np.repeat(np.arange(3, dtype=np.int32), md.seq_lens_host)
+    qkv = torch.randn(len(lens), (9 + 2 * 3) * 64, generator=torch.Generator().manual_seed(12))
+    q = qkv[:, :9 * 64].view(-1, 9, 64)
+    caches = [c.bfloat16() if bf16_cache else c for c in (k_cache, v_cache)]
+    in_place = A.paged_attention_cpu(q, *caches, md.block_tables, lens, rows, 0.125, bf16_math=bf16_math)
+    copied = A.paged_attention_cpu(q.contiguous(), *caches, md.block_tables, lens, rows, 0.125, bf16_math=bf16_math)
+    assert q.stride(0) == qkv.shape[1] and torch.equal(in_place, copied)
+    assert in_place.is_contiguous() and not in_place.isnan().any()

@@ -38,16 +38,17 @@ def test_rms_norm_module_on_cpu(width):
 
 
 @pytest.mark.parametrize("d", [64, 40])  # 40: half a head of 20, 16 lanes and a scalar tail
-def test_rotary_in_place_on_strided_q_and_k_equals_torch_exactly(d):
+@pytest.mark.parametrize("threads", [1, 2])  # 2: the 40 rows split in two
+def test_rotary_in_place_on_strided_q_and_k_equals_torch_exactly(d, threads):
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(6, 9 * d + 2 * 3 * d, generator=g)
-    q = qkv[:, :9 * d].view(6, 9, d)
-    k = qkv[:, 9 * d:12 * d].view(6, 3, d)
-    cos, sin = torch.randn(6, d, generator=g), torch.randn(6, d, generator=g)
+    qkv = torch.randn(40, 9 * d + 2 * 3 * d, generator=g)
+    q = qkv[:, :9 * d].view(40, 9, d)
+    k = qkv[:, 9 * d:12 * d].view(40, 3, d)
+    cos, sin = torch.randn(40, d, generator=g), torch.randn(40, d, generator=g)
     want_q, want_k = _apply(q.clone(), cos[:, None], sin[:, None]), _apply(k.clone(), cos[:, None], sin[:, None])
     v_before = qkv[:, 12 * d:].clone()
-    _C.rotary(q.numpy(), cos.numpy(), sin.numpy())
-    _C.rotary(k.numpy(), cos.numpy(), sin.numpy())
+    _C.rotary(q.numpy(), cos.numpy(), sin.numpy(), threads)
+    _C.rotary(k.numpy(), cos.numpy(), sin.numpy(), threads)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, 12 * d:], v_before)  # v, beside them in the row, untouched
 

@@ -1,0 +1,68 @@
+#include "kv_store.h"
+
+#include <cstring>
+
+#include "packed_linear_avx512.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+namespace deepinfer {
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// bf16_from_float on 16 lanes at a time; returns how many of the n it stored. (Left to the
+// compiler the scalar loop, with its NaN branch, stays one value at a time.)
+__attribute__((target("avx512f"))) size_t bf16_store_avx512(uint16_t *dst, const float *src, size_t n) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), nan = _mm512_set1_epi32(0x7fc0);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 f = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);  // ties to even
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+  return i;
+}
+#endif
+
+}  // namespace
+
+uint16_t bf16_from_float(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN: the canonical quiet NaN, as torch gives
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void kv_store(void *cache, KvDtype dtype, size_t offset, const float *src, size_t n) {
+  if (dtype == KvDtype::kF32) {
+    std::memcpy(static_cast<float *>(cache) + offset, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t *dst = static_cast<uint16_t *>(cache) + offset;
+  size_t i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (packed_avx512_enabled()) i = bf16_store_avx512(dst, src, n);
+#endif
+  for (; i < n; ++i) dst[i] = bf16_from_float(src[i]);
+}
+
+void kv_store_rows(const KvRows &r, void *k_cache, void *v_cache, KvDtype dtype, int threads) {
+  const size_t width = static_cast<size_t>(r.width);
+  split_rows(r.rows, threads, [&](int begin, int end) {
+    for (int t = begin; t < end; ++t) {
+      const size_t at = static_cast<size_t>(r.slots[t]) * width;
+      kv_store(k_cache, dtype, at, r.k + t * r.k_stride, width);
+      kv_store(v_cache, dtype, at, r.v + t * r.v_stride, width);
+    }
+  });
+}
+
+}  // namespace deepinfer
