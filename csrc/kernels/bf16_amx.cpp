@@ -22,6 +22,7 @@ namespace {
 
 constexpr int kTile = 16;                   // rows of a tile, and fp32 columns of a C tile
 constexpr int kTileK = 32;                  // bf16 values along K in one A row / B tile
+constexpr int kRowsAhead = 64;              // output rows asked for ahead of the tiles (ask_for_rows)
 constexpr long kReqXcompPerm = 0x1023;      // arch_prctl: ask for an XSAVE feature's state
 constexpr long kXfeatureXtiledata = 18;     // AMX's tile data
 
@@ -77,6 +78,18 @@ AMX_KERNEL bool two_by_two(const uint16_t *xb, const PackedMatrix &w, int M, int
   return two_rows;
 }
 
+// The output lines that row pair m's whole tiles of blocks b, b + 1 will be stored into, asked
+// for ahead (for writing). y is mostly cold (a fresh activation) and the tiles store its rows a
+// row's stride apart, a new page every row or so, which the hardware prefetchers do not
+// follow: each tile store waited on its lines' read for ownership.
+AMX_KERNEL void ask_for_rows(float *y, int N, int m, int b) {
+  float *first = y + static_cast<size_t>(m) * N + b * kTile;
+  for (int r = 0; r < 2 * kTile; ++r) {
+    __builtin_prefetch(first + static_cast<size_t>(r) * N, 1, 3);
+    __builtin_prefetch(first + static_cast<size_t>(r) * N + kTile, 1, 3);
+  }
+}
+
 // two_by_two's C tiles into c (tiles 2 and 3 only with two_rows).
 AMX_KERNEL void stash(bool two_rows, float c[4][kTile * kTile]) {
   _tile_stored(0, c[0], 64);
@@ -124,6 +137,7 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
     // the output's cache misses stalled the product about a fifth longer.
     const bool whole_columns = !bias && b1 == b + 1 && b * kTile >= n0 && (b1 + 1) * kTile <= n1;
     for (int m = 0; m < M; m += 2 * kTile) {
+      if (whole_columns && m + kRowsAhead + 2 * kTile <= M) ask_for_rows(y, w.rows, m + kRowsAhead, b);
       const bool two_rows = two_by_two(xb, w, M, m, b, b1);
       if (whole_columns && m + 2 * kTile <= M) {
         float *y0 = y + static_cast<size_t>(m) * w.rows + b * kTile, *y1 = y0 + static_cast<size_t>(kTile) * w.rows;
