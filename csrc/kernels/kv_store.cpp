@@ -14,8 +14,8 @@ namespace deepinfer {
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// bf16_from_float on 16 lanes at a time; returns how many of the n it stored. (Left to the
-// compiler the scalar loop, with its NaN branch, stays one value at a time.)
+// bf16_from_float on 16 lanes at a time, the same bits; returns how many of the n it stored.
+// (The scalar loop's NaN branch keeps the compiler from widening it.)
 __attribute__((target("avx512f"))) size_t bf16_store_avx512(uint16_t *dst, const float *src, size_t n) {
   const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), nan = _mm512_set1_epi32(0x7fc0);
   size_t i = 0;

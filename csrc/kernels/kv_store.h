@@ -12,8 +12,9 @@ namespace deepinfer {
 // the kernel's arithmetic on a bf16 cache equals the fp32 path's on that cache widened.
 enum class KvDtype { kF32, kBF16 };
 
-// An fp32 value rounded to bf16 (to nearest, ties to even; NaN stays NaN), as torch's
-// .to(torch.bfloat16) rounds it.
+// An fp32 value rounded to bf16 (to nearest, ties to even), as torch's .to(torch.bfloat16)
+// rounds it; a NaN becomes 0x7fc0, as torch's scalar rounding writes it (its vector loop
+// writes 0xffff: a NaN either way).
 uint16_t bf16_from_float(float x);
 
 // Stores n fp32 values at element `offset` of a cache of element type `dtype`.
