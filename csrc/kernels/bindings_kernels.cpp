@@ -44,10 +44,13 @@ int dim(const py::array &a, int d, const char *op) {
 }
 
 // Rows of a [T, heads, D] float32 array whose heads are contiguous and whose rows may lie
-// apart (q, k or v inside the fused qkv output, read in place): floats between rows.
+// apart (q, k or v inside the fused qkv output, read in place): floats between rows. An empty
+// array has nothing to read (NumPy gives it zero strides).
 int64_t heads_row_stride(const py::array_t<float> &x, const char *op, const char *name) {
   const auto f = static_cast<py::ssize_t>(sizeof(float));
-  need(x.ndim() == 3 && x.strides(2) == f && x.strides(1) == x.shape(2) * f && x.strides(0) % f == 0 &&
+  need(x.ndim() == 3, op, std::string(name) + " must be [T, heads, D]");
+  if (x.size() == 0) return x.shape(1) * x.shape(2);
+  need(x.strides(2) == f && x.strides(1) == x.shape(2) * f && x.strides(0) % f == 0 &&
            x.strides(0) >= x.shape(1) * x.shape(2) * f,
        op, std::string(name) + " must be [T, heads, D] float32 with each row's heads contiguous");
   return x.strides(0) / f;
@@ -69,7 +72,6 @@ PagedAttentionShape check_shapes(const F32Rows &q, const Cache &k_cache, const C
   s.block_size = dim(k_cache, 1, op);
   s.num_kv_heads = dim(k_cache, 2, op);
   s.max_blocks = dim(block_tables, 1, op);
-  s.q_stride = heads_row_stride(q, op, "q");
   for (int d = 0; d < 4; ++d) require(k_cache.shape(d) == v_cache.shape(d), "k_cache and v_cache differ in shape");
   for (int d = 0; d < 3; ++d) require(out.shape(d) == q.shape(d), "out must have q's shape");
   // Only the number of queries (and of block-table rows) may be zero: nothing to do.
@@ -80,6 +82,7 @@ PagedAttentionShape check_shapes(const F32Rows &q, const Cache &k_cache, const C
   require(s.num_heads % s.num_kv_heads == 0, "query heads must be a multiple of KV heads");
   require(context_lens.shape(0) == s.num_queries, "context_lens needs one entry per query");
   require(out.writeable(), "out must be writable");
+  s.q_stride = heads_row_stride(q, op, "q");
   return s;
 }
 

@@ -95,6 +95,8 @@ def test_store_kv_refuses_bad_inputs_and_writes_nothing():
         _C.store_kv(k.numpy(), v.numpy(), k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="slot -1"):
         _C.store_kv(k.numpy(), v.numpy(), k_cache, v_cache, np.array([0, 1, 2, -1], np.int64))
+    empty = np.zeros((0, 3, 64), np.float32)  # a step with no rows (NumPy: zero strides)
+    _C.store_kv(empty, empty, k_cache, v_cache, np.zeros(0, np.int64))
     assert not k_cache.any() and not v_cache.any()
     with pytest.raises(ValueError, match="one entry per row"):
         _C.store_kv(k.numpy(), v.numpy(), k_cache, v_cache, slots[:3])
