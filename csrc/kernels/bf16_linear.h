@@ -53,13 +53,20 @@ void bf16_pairs_widen_row(const PackedMatrix &w, int row, float *out);
 void bf16_round_rows(const float *x, int M, int cols, uint16_t *out);
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// 16 floats rounded to bf16 as torch's .to(torch.bfloat16) rounds them (to nearest, ties to
+// even, a NaN as 0x7fc0, subnormals kept), one per 32-bit lane: the KV cache's rounding
+// (kv_store), and bf16_round16's before it flushes.
+__attribute__((target("avx512f"))) inline __m512i bf16_round16_lanes(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);  // round half to even
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
 // 16 floats rounded as bf16_round_rows rounds them: for the kernels that round their rows
 // as they store them (bf16_round_rows itself, the gated product's bf16 output).
 __attribute__((target("avx512f"))) inline __m256i bf16_round16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);  // round half to even
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  __m512i r = bf16_round16_lanes(f);
   r = _mm512_mask_and_epi32(r, _mm512_testn_epi32_mask(r, _mm512_set1_epi32(0x7f80)), r, _mm512_set1_epi32(0x8000));
   return _mm512_cvtepi32_epi16(r);
 }

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "bf16_linear.h"
 #include "packed_linear_avx512.h"
 #include "thread_pool.h"
 
@@ -17,16 +18,10 @@ namespace {
 // bf16_from_float on 16 lanes at a time, the same bits; returns how many of the n it stored.
 // (The scalar loop's NaN branch keeps the compiler from widening it.)
 __attribute__((target("avx512f"))) size_t bf16_store_avx512(uint16_t *dst, const float *src, size_t n) {
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), nan = _mm512_set1_epi32(0x7fc0);
   size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 f = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);  // ties to even
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + i),
+                        _mm512_cvtepi32_epi16(bf16_round16_lanes(_mm512_loadu_ps(src + i))));
   return i;
 }
 #endif
