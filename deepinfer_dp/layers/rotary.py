@@ -148,8 +148,9 @@ class RotaryEmbedding(nn.Module):
         if q.device.type == "cpu" and q.dtype == torch.float32:
             # One C++ pass each, in place (q and k are fresh: views of this step's qkv output).
             cos_np, sin_np, threads = cos.numpy(), sin.numpy(), cpu_threads.kernel_threads()
-            _C.rotary(_heads_view(q), cos_np, sin_np, threads)
-            _C.rotary(_heads_view(k), cos_np, sin_np, threads)
+            # (the kernel refuses by name q or k whose heads are not contiguous in a row)
+            _C.rotary(q.numpy(), cos_np, sin_np, threads)
+            _C.rotary(k.numpy(), cos_np, sin_np, threads)
             return q, k
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -185,13 +186,6 @@ def make_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbeddi
     if params.get("mrope_section"):
         return MRotaryEmbedding(head_dim, max_position, params)
     return RotaryEmbedding(head_dim, max_position, params)
-
-
-def _heads_view(x: torch.Tensor):
-    """x [T, H, D] as a NumPy view for the kernel, which wants each row's heads contiguous."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        raise ValueError(f"rotary: heads of q/k must be contiguous, got strides {x.stride()}")
-    return x.numpy()
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
