@@ -66,6 +66,25 @@ def test_data_and_file_urls_answer_transformers_tokens(setup):
     assert r.json()["choices"][0]["message"]["content"] == expected_text(hf, make_image(41))
 
 
+def test_an_image_chat_continues_the_final_message(setup):
+    """continue_final_message reaches the processor's template: the assistant's begun answer is
+    continued, as transformers renders it."""
+    server, hf, _, _ = setup
+    image = make_image(43)
+    body = chat(data_url(png_bytes(image)))
+    body["messages"].append({"role": "assistant", "content": "It is"})
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "continue_final_message": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    text = hf.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image"}]},
+         {"role": "assistant", "content": "It is"}], continue_final_message=True, tokenize=False)
+    assert text.endswith("It is")
+    want = hf.processor.tokenizer.decode(hf.greedy(text, [image], TOKENS))
+    assert r.json()["choices"][0]["message"]["content"] == want
+    expanded = len(hf.processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0])
+    assert r.json()["usage"]["prompt_tokens"] == expanded
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_image_is_a_400_naming_the_field_and_the_server_stays_healthy(setup, stream):
     server, _, media, _ = setup

@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from deepinfer_dp.utils.chat_template import NEW_TURN, PromptEnd
+
 
 class TemplateError(ValueError):
     """The messages cannot be turned into a prompt (the template refused them, or the
@@ -33,30 +35,32 @@ class ChatTokenizer:
             self._plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
             self._plain.encode_special_tokens = True
 
-    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
-        """`tools` (OpenAI's function definitions) go to the template, which may show them."""
+    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+                   end: PromptEnd = NEW_TURN) -> list[int]:
+        """`tools` (OpenAI's function definitions) go to the template, which may show them;
+        `end`: how the rendered conversation ends."""
         if self.template is None:
             raise TemplateError("this model has no chat template: start the server with --chat-template "
                                 "(a Jinja file or the template itself), or use /v1/completions")
         if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
-            return _as_ids(self._render(messages, tokenize=True, tools=tools))
+            return _as_ids(self._render(messages, True, tools, end))
         if self._plain is None:
             raise TemplateError("message content holds a special-token string, which this (slow) tokenizer "
                                 "cannot keep as plain text")
-        return self._split_ids(messages, tools)
+        return self._split_ids(messages, tools, end)
 
-    def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None = None):
+    def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None, end: PromptEnd):
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
-                                                      tools=tools, chat_template=self.template)
+            return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, tools=tools,
+                                                      chat_template=self.template, **end.template_kwargs())
         except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
             raise TemplateError(f"the chat template rejected the messages: {e}") from e
 
-    def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None) -> list[int]:
+    def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None, end: PromptEnd) -> list[int]:
         # Private-use characters: no template rewrites them, and no content is likely to hold them.
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], tokenize=False,
-                                tools=tools)
+        rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], False, tools,
+                                end)
         ids: list[int] = []
         pos = 0
         for message, mark in zip(messages, marks, strict=True):

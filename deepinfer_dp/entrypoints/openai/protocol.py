@@ -223,6 +223,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's: how the rendered conversation ends (PromptEnd.of; both true is refused)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     # OpenAI fields this server does not implement (refused in unsupported.py unless no-ops)
     functions: Any = None
     function_call: Any = None
@@ -236,8 +239,6 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's chat fields (unsupported.VLLM_CHAT): accepted at their defaults, else refused
     include_reasoning: Any = None
     echo: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
     add_special_tokens: Any = None
     documents: Any = None
     chat_template: Any = None

@@ -44,6 +44,7 @@ from deepinfer_dp.entrypoints.openai.structured import (
 )
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolReader, joined
 from deepinfer_dp.sampling_params import MAX_LOGPROBS
+from deepinfer_dp.utils.chat_template import PromptEnd
 
 
 def _text(content) -> str:
@@ -85,6 +86,14 @@ def _call_for_template(call, param: str) -> dict:
     return {"type": "function", "function": fn} | ({"id": call.id} if call.id is not None else {})
 
 
+def prompt_end(add_generation_prompt: bool | None, continue_final_message: bool | None) -> PromptEnd:
+    """The request's PromptEnd; 400 naming continue_final_message when both are true."""
+    try:
+        return PromptEnd.of(add_generation_prompt, continue_final_message)
+    except ValueError as e:
+        raise bad_request(str(e), "continue_final_message") from e
+
+
 def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
     refuse_unsupported(req, unsupported.CHAT)
     check_common(req, ctx.limits)
@@ -101,12 +110,13 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     _check_fields(ctx, req)
     # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
-    mm = await image_prompt(ctx, req)
+    end = prompt_end(req.add_generation_prompt, req.continue_final_message)
+    mm = await image_prompt(ctx, req, end)
     if mm is None:
         messages = _messages(req)
         ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
-        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req))
+        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req), end)
                if mm is None else PromptIds(await ctx.off_loop(_tokenize, ctx, mm.prompt)))
     except TemplateError as e:
         raise bad_request(str(e), "messages") from e
