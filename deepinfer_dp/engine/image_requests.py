@@ -27,7 +27,7 @@ from deepinfer_dp.multimodal.processing import ImageItem, ImagePromptProcessor, 
 from deepinfer_dp.multimodal.qwen_processor import load_processor
 from deepinfer_dp.multimodal.step_inputs import MultiModalStep, plan_step
 from deepinfer_dp.sampling_params import SamplingParams
-from deepinfer_dp.utils.chat_template import NEW_TURN, PromptEnd
+from deepinfer_dp.utils.chat_template import DEFAULT_RENDER, ChatRender
 
 
 class ImageRequests:
@@ -49,12 +49,12 @@ class ImageRequests:
         prompts = ImagePromptProcessor(processor, model.image_token_id, family)
         return cls(ImageWorker(prompts, limits), EncoderCache(cache_tokens))
 
-    def chat_prompt(self, messages: list[dict], end: PromptEnd = NEW_TURN,
+    def chat_prompt(self, messages: list[dict], render: ChatRender = DEFAULT_RENDER,
                     chat_template: str | None = None) -> MultiModalPrompt:
         """A conversation with image_url parts as one prompt: the processor's chat template's
         (or `chat_template`'s) text, placeholders where the images were, and the images' URLs,
         fetched later."""
-        return render_chat_prompt(self.worker.processor.processor, messages, end, chat_template)
+        return render_chat_prompt(self.worker.processor.processor, messages, render, chat_template)
 
     def submit(self, request_id: str, prompt: MultiModalPrompt) -> None:
         self.prompts[request_id] = prompt

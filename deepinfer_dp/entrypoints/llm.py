@@ -27,7 +27,7 @@ from deepinfer_dp.multimodal.errors import MM_ERROR_PREFIX
 from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.sampling_params import InvalidRequest, SamplingParams
 from deepinfer_dp.structured_output.params import BUILD_ERROR_PREFIX
-from deepinfer_dp.utils.chat_template import PromptEnd, load_chat_template
+from deepinfer_dp.utils.chat_template import ChatRender, load_chat_template
 
 
 class LLM:
@@ -122,20 +122,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool | None = None, *, continue_final_message: bool = False,
-             chat_template: str | None = None) -> list:
+             chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list:
         """Applies the model's chat template to one conversation or a list of them; `chat_template`
         (the Jinja template, or a file holding it) replaces the model's, as in vLLM.
         `continue_final_message`: the last message is left open and the model continues it (e.g.
         an assistant answer begun by the caller); add_generation_prompt (unset: true unless
-        continuing) opens a new assistant turn after the messages."""
+        continuing) opens a new assistant turn after the messages. `chat_template_kwargs`: variables
+        for the template (e.g. {"enable_thinking": False}), as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        end = PromptEnd.of(add_generation_prompt, continue_final_message)
+        render = ChatRender.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
         template = load_chat_template(chat_template)
         if any(has_image_parts(conv) for conv in conversations):  # the model's processor renders them
             images = self._image_requests()
             prompts = []
             for conv in conversations:
-                mm = images.chat_prompt(conv, end, template)
+                mm = images.chat_prompt(conv, render, template)
                 prompts.append({"prompt": mm.prompt, "multi_modal_data": {"image": mm.images}})
             return self.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
         tok = self.get_tokenizer()
@@ -143,7 +144,7 @@ class LLM:
             raise ValueError("this model's tokenizer has no chat template (a base model, or a GGUF file without "
                              "tokenizer.chat_template): pass chat_template=... (the Jinja template or its file), "
                              "or use generate()")
-        ids = [_as_ids(tok.apply_chat_template(conv, tokenize=True, chat_template=template, **end.template_kwargs()))
+        ids = [_as_ids(tok.apply_chat_template(conv, tokenize=True, chat_template=template, **render.template_kwargs()))
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 

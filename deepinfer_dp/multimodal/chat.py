@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.multimodal.media import MediaError
-from deepinfer_dp.utils.chat_template import NEW_TURN, PromptEnd
+from deepinfer_dp.utils.chat_template import DEFAULT_RENDER, ChatRender
 
 
 def split_chat_images(messages: list[dict]) -> tuple[list[dict], list[str], list[str]]:
@@ -47,12 +47,12 @@ def has_image_parts(messages: list[dict]) -> bool:
                for part in message["content"])
 
 
-def render_chat_prompt(processor, messages: list[dict], end: PromptEnd = NEW_TURN,
+def render_chat_prompt(processor, messages: list[dict], render: ChatRender = DEFAULT_RENDER,
                        chat_template: str | None = None) -> MultiModalPrompt:
     """A conversation with image_url parts as one prompt: the processor's chat template's (or
     `chat_template`'s) text, placeholders where the images were, and the images' URLs, fetched
     later, with their fields."""
     conv, urls, fields = split_chat_images(messages)
     override = {} if chat_template is None else {"chat_template": chat_template}
-    text = processor.apply_chat_template(conv, tokenize=False, **end.template_kwargs(), **override)
+    text = processor.apply_chat_template(conv, tokenize=False, **render.template_kwargs(), **override)
     return MultiModalPrompt(text, urls, fields)

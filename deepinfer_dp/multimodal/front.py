@@ -15,7 +15,7 @@ from transformers import AutoProcessor
 from deepinfer_dp.multimodal.chat import render_chat_prompt
 from deepinfer_dp.multimodal.image_worker import MultiModalPrompt
 from deepinfer_dp.multimodal.media import MediaError, MediaLimits, allowed_local_path, file_url_path, url_scheme
-from deepinfer_dp.utils.chat_template import NEW_TURN, PromptEnd
+from deepinfer_dp.utils.chat_template import DEFAULT_RENDER, ChatRender
 
 
 class ImageFront:
@@ -31,10 +31,10 @@ class ImageFront:
     def for_model(cls, model_dir: str, limits: MediaLimits, image_limit: int) -> ImageFront:
         return cls(AutoProcessor.from_pretrained(model_dir), limits, image_limit)
 
-    def chat_prompt(self, messages: list[dict], end: PromptEnd = NEW_TURN,
+    def chat_prompt(self, messages: list[dict], render: ChatRender = DEFAULT_RENDER,
                     chat_template: str | None = None) -> MultiModalPrompt:
         """As ImageRequests.chat_prompt, and every image URL checked (MediaError naming its field)."""
-        prompt = render_chat_prompt(self.processor, messages, end, chat_template)
+        prompt = render_chat_prompt(self.processor, messages, render, chat_template)
         for url, field in zip(prompt.images, prompt.image_fields or [], strict=True):
             try:
                 check_url(url, self.limits)

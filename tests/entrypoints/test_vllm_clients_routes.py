@@ -63,7 +63,7 @@ def test_routes_at_dp1(server):
     ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
-    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "mm_processor_kwargs": {"num_crops": 4}}, 400, "mm_processor_kwargs"),
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ x }}"}, 400, "chat_template"),
 ])
 def test_utility_refusals_name_the_field(server, path, body, status, param):

@@ -15,12 +15,16 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from deepinfer_dp.utils.chat_template import NEW_TURN, PromptEnd
+from deepinfer_dp.utils.chat_template import DEFAULT_RENDER, ChatRender
 
 
 class TemplateError(ValueError):
     """The messages cannot be turned into a prompt (the template refused them, or the
-    content cannot be kept as text under this template)."""
+    content cannot be kept as text under this template); `param`: the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ChatTokenizer:
@@ -36,31 +40,39 @@ class ChatTokenizer:
             self._plain.encode_special_tokens = True
 
     def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
-                   end: PromptEnd = NEW_TURN) -> list[int]:
+                   render: ChatRender = DEFAULT_RENDER) -> list[int]:
         """`tools` (OpenAI's function definitions) go to the template, which may show them;
-        `end`: how the rendered conversation ends."""
+        `render`: how the conversation ends and the template variables."""
         if self.template is None:
             raise TemplateError("this model has no chat template: start the server with --chat-template "
                                 "(a Jinja file or the template itself), or use /v1/completions")
+        self.check_variables(render)
         if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
-            return _as_ids(self._render(messages, True, tools, end))
+            return _as_ids(self._render(messages, True, tools, render))
         if self._plain is None:
             raise TemplateError("message content holds a special-token string, which this (slow) tokenizer "
                                 "cannot keep as plain text")
-        return self._split_ids(messages, tools, end)
+        return self._split_ids(messages, tools, render)
 
-    def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None, end: PromptEnd):
+    def check_variables(self, render: ChatRender) -> None:
+        """TemplateError for a template variable holding a special-token string: rendered into
+        the prompt, it would be parsed as a control token, which content never is."""
+        if any(s in text for text in _strings(render.variables) for s in self.special):
+            raise TemplateError("chat_template_kwargs: a value holds a special-token string, which the template "
+                                "would place as a control token; remove it", "chat_template_kwargs")
+
+    def _render(self, messages: list[dict[str, str]], tokenize: bool, tools: list[dict] | None, render: ChatRender):
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=tokenize, tools=tools,
-                                                      chat_template=self.template, **end.template_kwargs())
+                                                      chat_template=self.template, **render.template_kwargs())
         except Exception as e:  # the template's own checks (e.g. roles it does not know) are user errors
             raise TemplateError(f"the chat template rejected the messages: {e}") from e
 
-    def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None, end: PromptEnd) -> list[int]:
+    def _split_ids(self, messages: list[dict[str, str]], tools: list[dict] | None, render: ChatRender) -> list[int]:
         # Private-use characters: no template rewrites them, and no content is likely to hold them.
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         rendered = self._render([{**m, "content": k} for m, k in zip(messages, marks, strict=True)], False, tools,
-                                end)
+                                render)
         ids: list[int] = []
         pos = 0
         for message, mark in zip(messages, marks, strict=True):
@@ -76,6 +88,17 @@ class ChatTokenizer:
 
     def _template_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a JSON value (keys of objects included)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def _as_ids(encoded) -> list[int]:

@@ -223,9 +223,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # vLLM's: how the rendered conversation ends (PromptEnd.of; both true is refused)
+    # vLLM's: how the chat is rendered (ChatRender.of)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields this server does not implement (refused in unsupported.py unless no-ops)
     functions: Any = None
     function_call: Any = None
@@ -242,7 +243,6 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: Any = None
     documents: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None

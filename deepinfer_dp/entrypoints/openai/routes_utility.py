@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from deepinfer_dp.entrypoints.openai.chat_template import TemplateError
 from deepinfer_dp.entrypoints.openai.openapi import truthful_openapi
 from deepinfer_dp.entrypoints.openai.protocol import ChatMessage, ChatTool, ErrorResponse, ModelCard, Text, _Request
-from deepinfer_dp.entrypoints.openai.serving_chat import _messages, prompt_end
+from deepinfer_dp.entrypoints.openai.serving_chat import _messages, chat_render
 from deepinfer_dp.entrypoints.openai.serving_engine import OpenAIError, ServingContext, bad_request
 from deepinfer_dp.version import __version__
 
@@ -42,9 +42,9 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool | None = None
     add_special_tokens: bool = False
     tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless unset: the server renders the model's own template only.
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
 
 
@@ -121,20 +121,19 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 async def _chat_ids(ctx: ServingContext, req: TokenizeChatRequest) -> list[int]:
     """The prompt ids /v1/chat/completions would run for these messages."""
-    for name, default in (("add_special_tokens", False), ("chat_template", None), ("chat_template_kwargs", None),
-                          ("mm_processor_kwargs", None)):
+    for name, default in (("add_special_tokens", False), ("chat_template", None), ("mm_processor_kwargs", None)):
         if getattr(req, name) not in (default, {}):  # an empty mapping asks for nothing either
             raise bad_request(f"`{name}` is not supported by this server: it renders the model's own chat "
                               f"template, as /v1/chat/completions does (got {getattr(req, name)!r})", name,
                               "unsupported_parameter")
-    end = prompt_end(req.add_generation_prompt, req.continue_final_message)
+    render = chat_render(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
     messages = _messages(req)
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        return await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools, end)
+        return await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools, render)
     except TemplateError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), e.param) from e
 
 
 @router.post("/detokenize", responses=_ERRORS)

@@ -44,7 +44,7 @@ from deepinfer_dp.entrypoints.openai.structured import (
 )
 from deepinfer_dp.entrypoints.openai.tool_calls import ToolReader, joined
 from deepinfer_dp.sampling_params import MAX_LOGPROBS
-from deepinfer_dp.utils.chat_template import PromptEnd
+from deepinfer_dp.utils.chat_template import ChatRender, ChatRenderError
 
 
 def _text(content) -> str:
@@ -86,12 +86,13 @@ def _call_for_template(call, param: str) -> dict:
     return {"type": "function", "function": fn} | ({"id": call.id} if call.id is not None else {})
 
 
-def prompt_end(add_generation_prompt: bool | None, continue_final_message: bool | None) -> PromptEnd:
-    """The request's PromptEnd; 400 naming continue_final_message when both are true."""
+def chat_render(add_generation_prompt: bool | None, continue_final_message: bool | None,
+                chat_template_kwargs: dict | None) -> ChatRender:
+    """A request's ChatRender (ChatRender.of), or a 400 naming the field it cannot take."""
     try:
-        return PromptEnd.of(add_generation_prompt, continue_final_message)
-    except ValueError as e:
-        raise bad_request(str(e), "continue_final_message") from e
+        return ChatRender.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
+    except ChatRenderError as e:
+        raise bad_request(str(e), e.param) from e
 
 
 def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
@@ -110,16 +111,20 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     _check_fields(ctx, req)
     # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
-    end = prompt_end(req.add_generation_prompt, req.continue_final_message)
-    mm = await image_prompt(ctx, req, end)
+    render = chat_render(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    try:
+        ctx.chat_tokenizer.check_variables(render)  # (the image models' path renders without ChatTokenizer)
+    except TemplateError as e:
+        raise bad_request(str(e), e.param) from e
+    mm = await image_prompt(ctx, req, render)
     if mm is None:
         messages = _messages(req)
         ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     try:
-        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req), end)
+        ids = (await ctx.off_loop(ctx.chat_tokenizer.prompt_ids, messages, tools_for_template(req), render)
                if mm is None else PromptIds(await ctx.off_loop(_tokenize, ctx, mm.prompt)))
     except TemplateError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), e.param) from e
     stops = stop_strings(req)
     # max_completion_tokens wins; 0 is a value (refused below), not "no limit"
     limit, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None

@@ -10,10 +10,10 @@ from __future__ import annotations
 from deepinfer_dp.entrypoints.openai.protocol import ChatCompletionRequest
 from deepinfer_dp.entrypoints.openai.serving_engine import ServingContext, bad_request
 from deepinfer_dp.multimodal.media import MediaError
-from deepinfer_dp.utils.chat_template import PromptEnd
+from deepinfer_dp.utils.chat_template import ChatRender
 
 
-async def image_prompt(ctx: ServingContext, req: ChatCompletionRequest, end: PromptEnd):
+async def image_prompt(ctx: ServingContext, req: ChatCompletionRequest, render: ChatRender):
     """The request's MultiModalPrompt, or None when it has no image parts or the model takes
     none (the text path then refuses the parts by name, as for any model without vision)."""
     found = [(i, j) for i, m in enumerate(req.messages) if isinstance(m.content, list)
@@ -27,7 +27,7 @@ async def image_prompt(ctx: ServingContext, req: ChatCompletionRequest, end: Pro
                           f"({ctx.client.image_limit})", f"messages.{i}.content.{j}.image_url")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
-        return await ctx.off_loop(images.chat_prompt, messages, end)
+        return await ctx.off_loop(images.chat_prompt, messages, render)
     except MediaError as e:
         param = str(e).split(":", 1)[0]
         raise bad_request(str(e), param if param.startswith("messages.") else "messages") from e

@@ -84,7 +84,6 @@ VLLM_CHAT: dict[str, tuple[Noop, str]] = {
     "add_special_tokens": (_false, "only false (the default: the chat template adds them) is implemented"),
     "documents": (_empty, "documents for the chat template are not implemented"),
     "chat_template": (_none, "a request's own chat template is not served (the server's is --chat-template)"),
-    "chat_template_kwargs": (_empty, "chat template arguments are not implemented"),
     "media_io_kwargs": (_empty, "media input is not implemented"),
     "mm_processor_kwargs": (_empty, "multimodal input is not implemented"),
     "return_prompt_text": (_false, "returning the rendered prompt is not implemented; use /tokenize"),
