@@ -7,6 +7,8 @@ renderer's own arguments or carry control tokens refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from server_utils import ENGINE_OPTIONS, MODEL_NAME, served
@@ -143,3 +145,28 @@ def test_http_refuses_variables_by_name(shouting_server, path, variables, says):
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def _stream_text(server, body: dict) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"]["content"] or "")
+    return texts
+
+
+def test_echo_puts_the_begun_answer_first(server):
+    body = {"model": MODEL_NAME, "messages": BEGUN, "continue_final_message": True, "n": 2, **GREEDY}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=body).json()["choices"]
+    echoed = httpx.post(server.url + "/v1/chat/completions", json={**body, "echo": True}).json()["choices"]
+    for p, e in zip(plain, echoed, strict=True):
+        assert e["message"]["content"] == "A color is" + p["message"]["content"]
+    assert _stream_text(server, {**body, "echo": True}) == {c["index"]: c["message"]["content"] for c in echoed}
+    # the last message is the user's: nothing of the assistant's to echo
+    asked = {**body, "messages": BEGUN[:1], "continue_final_message": False}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=asked).json()["choices"]
+    echoed = httpx.post(server.url + "/v1/chat/completions", json={**asked, "echo": True}).json()["choices"]
+    assert [c["message"] for c in echoed] == [c["message"] for c in plain]

@@ -89,7 +89,7 @@ def test_vllm_fields_that_change_nothing_are_accepted(server, path, body, extra)
     ("/v1/completions", COMPLETION, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", COMPLETION, {"length_penalty": "long"}, "length_penalty"),
     ("/v1/chat/completions", CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
-    ("/v1/chat/completions", CHAT, {"echo": True}, "echo"),
+    ("/v1/chat/completions", CHAT, {"documents": [{"title": "a", "text": "b"}]}, "documents"),
     ("/v1/chat/completions", CHAT, {"bad_words": ["x"]}, "bad_words"),
     ("/v1/chat/completions", CHAT, {"structured_outputs": {"regex": "a", "structural_tag": "x"}, "ignore_eos": False},
      "structured_outputs.structural_tag"),

@@ -223,10 +223,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # vLLM's: how the chat is rendered (ChatRender.of)
+    # vLLM's: how the chat is rendered (ChatRender.of), and the last message's text put before
+    # the answer when it is the assistant's (echo: with continue_final_message, the whole message)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
     # OpenAI fields this server does not implement (refused in unsupported.py unless no-ops)
     functions: Any = None
     function_call: Any = None
@@ -239,7 +241,6 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Any = None
     # vLLM's chat fields (unsupported.VLLM_CHAT): accepted at their defaults, else refused
     include_reasoning: Any = None
-    echo: Any = None
     add_special_tokens: Any = None
     documents: Any = None
     chat_template: Any = None

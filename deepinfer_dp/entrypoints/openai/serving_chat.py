@@ -158,6 +158,13 @@ def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def _echoed(req: ChatCompletionRequest) -> str:
+    """What `echo` puts before each answer: the last message's text when it is the assistant's
+    (the role of the answer), as vLLM does; else nothing."""
+    last = req.messages[-1]
+    return _text(last.content) if req.echo and last.role == "assistant" else ""
+
+
 async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
                    prompts: list[list[int]]) -> ChatCompletionResponse:
     texts, reasons, tokens = [""] * req.n, [None] * req.n, [0] * req.n
@@ -179,6 +186,9 @@ async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: Asyn
         rest, last, choice.finish_reason = reader.finish(choice.finish_reason)
         calls = joined(deltas + last)
         choice.message = ChatResponseMessage(content=(content + rest) or (None if calls else ""), tool_calls=calls)
+    if echo := _echoed(req):
+        for choice in choices:
+            choice.message.content = echo + (choice.message.content or "")
     completion = sum(tokens)
     usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=ctx.model_name, choices=choices,
@@ -216,6 +226,8 @@ async def stream(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncI
     readers = [ToolReader(tools) if tools else None for _ in range(req.n)]
     for i in range(req.n):  # OpenAI opens each choice with the role
         yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+    for i in range(req.n if (echo := _echoed(req)) else 0):  # then vLLM sends each the echo
+        yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(content=echo)))
     async for ev in events:
         tokens[ev.index] = ev.num_output_tokens
         prompt_len[0] = max(prompt_len[0], ev.prompt_len)

@@ -80,7 +80,6 @@ VLLM: dict[str, tuple[Noop, str]] = {
 
 VLLM_CHAT: dict[str, tuple[Noop, str]] = {
     "include_reasoning": (_any_bool, "must be a boolean (accepted and ignored: no reasoning parser)"),
-    "echo": (_false, "echoing the last message is not implemented"),
     "add_special_tokens": (_false, "only false (the default: the chat template adds them) is implemented"),
     "documents": (_empty, "documents for the chat template are not implemented"),
     "chat_template": (_none, "a request's own chat template is not served (the server's is --chat-template)"),
