@@ -165,6 +165,11 @@ def test_echo_puts_the_begun_answer_first(server):
     for p, e in zip(plain, echoed, strict=True):
         assert e["message"]["content"] == "A color is" + p["message"]["content"]
     assert _stream_text(server, {**body, "echo": True}) == {c["index"]: c["message"]["content"] for c in echoed}
+    # the begun answer as content parts: their text is echoed
+    parts = [BEGUN[0], {"role": "assistant", "content": [{"type": "text", "text": "A color"},
+                                                         {"type": "text", "text": " is"}]}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "messages": parts, "echo": True})
+    assert [c["message"] for c in r.json()["choices"]] == [c["message"] for c in echoed]
     # the last message is the user's: nothing of the assistant's to echo
     asked = {**body, "messages": BEGUN[:1], "continue_final_message": False}
     plain = httpx.post(server.url + "/v1/chat/completions", json=asked).json()["choices"]

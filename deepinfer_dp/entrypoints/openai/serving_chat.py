@@ -160,9 +160,14 @@ def _logprobs(ctx: ServingContext, ev: ChoiceEvent) -> ChatLogprobs:
 
 def _echoed(req: ChatCompletionRequest) -> str:
     """What `echo` puts before each answer: the last message's text when it is the assistant's
-    (the role of the answer), as vLLM does; else nothing."""
+    (the role of the answer), as vLLM does; else nothing. Only its text parts: an image model's
+    message may hold others, which this late in a request must not fail it."""
     last = req.messages[-1]
-    return _text(last.content) if req.echo and last.role == "assistant" else ""
+    if not req.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "".join(part.text or "" for part in last.content if part.type == "text")
+    return last.content or ""
 
 
 async def complete(ctx: ServingContext, req: ChatCompletionRequest, events: AsyncIterator[ChoiceEvent],
