@@ -28,10 +28,10 @@ def load_chat_template(chat_template: str | Path | None) -> str | None:
                          f"({e.strerror or e}); give the path of a Jinja file or the template itself") from e
 
 
-# apply_chat_template's own parameters (tokenizers' and processors') and the template's
-# `messages`: a request's template variables may not stand in for them.
+# apply_chat_template's own parameters (tokenizers' and processors', `self` included) and the
+# template's `messages`: a request's template variables may not stand in for them.
 _RESERVED = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
     "load_audio_from_video"})
@@ -68,7 +68,7 @@ class ChatRender:
             raise ChatRenderError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                   "continue_final_message")
         variables = dict(chat_template_kwargs or {})
-        taken = sorted(k for k in variables if k in _RESERVED or not str(k).isidentifier())
+        taken = sorted((k for k in variables if k in _RESERVED or not str(k).isidentifier()), key=str)
         if taken:
             raise ChatRenderError(f"chat_template_kwargs: {', '.join(map(repr, taken))} cannot be a template "
                                   f"variable (each is a request field of its own or an argument of the "

@@ -45,7 +45,8 @@ def test_chat_render_follows_vllms_rules():
     with pytest.raises(ValueError, match="Cannot set both"):
         ChatRender.of(True, True)
     assert ChatRender.of(None, None, {"shout": True}).template_kwargs()["shout"] is True
-    for taken in ({"tools": []}, {"add_generation_prompt": False}, {"tokenize": False}, {"not a name": 1}):
+    for taken in ({"tools": []}, {"add_generation_prompt": False}, {"tokenize": False}, {"self": 1},
+                  {"not a name": 1}, {1: 1, "tools": 2}):
         with pytest.raises(ChatRenderError, match="cannot be a template variable") as e:
             ChatRender.of(None, None, taken)
         assert e.value.param == "chat_template_kwargs"
