@@ -42,11 +42,11 @@ class ChatTokenizer:
     def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
                    render: ChatRender = DEFAULT_RENDER) -> list[int]:
         """`tools` (OpenAI's function definitions) go to the template, which may show them;
-        `render`: how the conversation ends and the template variables."""
+        `render`: how the conversation ends and the template variables (the caller checks
+        those first, check_variables)."""
         if self.template is None:
             raise TemplateError("this model has no chat template: start the server with --chat-template "
                                 "(a Jinja file or the template itself), or use /v1/completions")
-        self.check_variables(render)
         if not self.as_text or not any(s in m["content"] for m in messages for s in self.special):
             return _as_ids(self._render(messages, True, tools, render))
         if self._plain is None:

@@ -126,7 +126,7 @@ async def _chat_ids(ctx: ServingContext, req: TokenizeChatRequest) -> list[int]:
             raise bad_request(f"`{name}` is not supported by this server: it renders the model's own chat "
                               f"template, as /v1/chat/completions does (got {getattr(req, name)!r})", name,
                               "unsupported_parameter")
-    render = chat_render(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    render = chat_render(ctx, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
     messages = _messages(req)
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages", "messages")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -86,13 +86,16 @@ def _call_for_template(call, param: str) -> dict:
     return {"type": "function", "function": fn} | ({"id": call.id} if call.id is not None else {})
 
 
-def chat_render(add_generation_prompt: bool | None, continue_final_message: bool | None,
+def chat_render(ctx: ServingContext, add_generation_prompt: bool | None, continue_final_message: bool | None,
                 chat_template_kwargs: dict | None) -> ChatRender:
-    """A request's ChatRender (ChatRender.of), or a 400 naming the field it cannot take."""
+    """A request's ChatRender (ChatRender.of, its variables checked by the server's
+    ChatTokenizer for every path, images' included), or a 400 naming the field it cannot take."""
     try:
-        return ChatRender.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
-    except ChatRenderError as e:
+        render = ChatRender.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        ctx.chat_tokenizer.check_variables(render)
+    except (ChatRenderError, TemplateError) as e:
         raise bad_request(str(e), e.param) from e
+    return render
 
 
 def _check_fields(ctx: ServingContext, req: ChatCompletionRequest) -> None:
@@ -111,11 +114,7 @@ async def prepare(ctx: ServingContext, req: ChatCompletionRequest) -> Prepared:
     _check_fields(ctx, req)
     # 400 for tool_choice "auto" without a parser, or more than one constraint
     constraint, _ = structured_params(req, ctx.limits.tool_call_parser)
-    render = chat_render(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
-    try:
-        ctx.chat_tokenizer.check_variables(render)  # (the image models' path renders without ChatTokenizer)
-    except TemplateError as e:
-        raise bad_request(str(e), e.param) from e
+    render = chat_render(ctx, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
     mm = await image_prompt(ctx, req, render)
     if mm is None:
         messages = _messages(req)
