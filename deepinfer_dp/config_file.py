@@ -86,7 +86,8 @@ class ServerSection(_Section):
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting for their first token "
                                                               "(server-wide) before new ones get 503")
     chat_special_tokens_as_text: bool = Field(True, description="special-token strings typed in chat "
-                                                                "content stay text (not control tokens)")
+                                                                "content stay text (not control tokens), "
+                                                                "and template variables may not hold them")
     chat_template: str | None = Field(None, description="the chat template of /v1/chat/completions, a Jinja "
                                       "file or the template itself (default: the model's; needed for a model "
                                       "without one, such as a base GGUF file)")

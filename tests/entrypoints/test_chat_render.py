@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from deepinfer_dp import LLM, SamplingParams
 from deepinfer_dp.config_file import ServerLimits
-from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer
+from deepinfer_dp.entrypoints.openai.chat_template import ChatTokenizer, TemplateError
 from deepinfer_dp.utils.chat_template import ChatRender, ChatRenderError
 
 BEGUN = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "A color is"}]
@@ -118,6 +118,13 @@ def test_template_variables_reach_the_template(hf):
     assert loud == _hf_ids(hf, BEGUN[:1], add_generation_prompt=True, chat_template=SHOUTING, shout=True)
     assert loud != chat.prompt_ids(BEGUN[:1])
     assert chat.prompt_ids(BEGUN[:1], render=ChatRender.of(None, None, {"unread": 1})) == chat.prompt_ids(BEGUN[:1])
+
+
+def test_a_special_string_in_a_variable_follows_the_content_rule(hf):
+    marked = ChatRender.of(None, None, {"shout": "<|im_start|>"})
+    with pytest.raises(TemplateError, match="special-token string"):
+        ChatTokenizer(hf, chat_template=SHOUTING).check_variables(marked)
+    ChatTokenizer(hf, special_tokens_as_text=False, chat_template=SHOUTING).check_variables(marked)  # allowed
 
 
 @pytest.fixture(scope="module")

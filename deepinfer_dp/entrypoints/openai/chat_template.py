@@ -56,8 +56,9 @@ class ChatTokenizer:
 
     def check_variables(self, render: ChatRender) -> None:
         """TemplateError for a template variable holding a special-token string: rendered into
-        the prompt, it would be parsed as a control token, which content never is."""
-        if any(s in text for text in _strings(render.variables) for s in self.special):
+        the prompt, it would be parsed as a control token, which content is not either (where
+        the server keeps them as text; with that off, neither is refused)."""
+        if self.as_text and any(s in text for text in _strings(render.variables) for s in self.special):
             raise TemplateError("chat_template_kwargs: a value holds a special-token string, which the template "
                                 "would place as a control token; remove it", "chat_template_kwargs")
 
