@@ -1,6 +1,6 @@
-"""bf16 attention on AMX tiles (DEEPINFER_DP_BF16_ATTENTION=1) against fp32 arithmetic over
-the same bf16 cache (the default), one layer of SmolLM2's shape (9 query heads, 3 KV heads,
-head size 64, blocks of 16 slots scattered over the cache), milliseconds a call.
+"""bf16 attention (bf16_math: AMX tiles, or vdpbf16ps on a CPU with AVX512-BF16 and no AMX) against
+fp32 arithmetic over the same bf16 cache, one layer of SmolLM2's shape (9 query heads, 3 KV
+heads, head size 64, blocks of 16 slots scattered over the cache), milliseconds a call.
 
     .venv/bin/python benchmarks/bf16_attention.py [--threads 2] [--rounds 3]
 
@@ -57,10 +57,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    if not _C.bf16_attention_amx(HEAD_DIM):
-        raise SystemExit("this CPU has no AMX-BF16: bf16_math would widen to fp32, the same kernel")
+    form = _C.bf16_attention_form(HEAD_DIM)
+    if not form:
+        raise SystemExit("this CPU has neither AMX-BF16 nor AVX512-BF16: bf16_math would widen, the same kernel")
     cases = [("decode", s, c) for s in (1, 16, 64) for c in (2000, 200)] + [("prefill", 1, 2000)]
-    print(f"{'case':<28} {'fp32 ms':>18} {'AMX bf16 ms':>18} {'fp32 / AMX':>12}")
+    print(f"bf16 form: {form}")
+    print(f"{'case':<28} {'fp32 ms':>18} {'bf16 ms':>18} {'fp32 / bf16':>12}")
     for kind, seqs, ctx in cases:
         case = make_case(seqs, ctx, kind == "prefill")
         fp32, amx = [], []

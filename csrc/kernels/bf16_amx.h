@@ -21,7 +21,7 @@ namespace deepinfer {
 // DEEPINFER_DP_BF16_AMX is not "0" and AVX-512 is on: packed_avx512_enabled). Asked once.
 bool bf16_amx_available();
 
-// Loads the tile configuration of this file's kernel and of paged_attention_amx.cpp on the
+// Loads the tile configuration of this file's kernel and of paged_attention_bf16.cpp on the
 // calling thread: tiles 0-7 of 16 rows x 64 bytes. Only where bf16_amx_available().
 void amx_configure_tiles();
 

@@ -16,7 +16,7 @@
 #include "cpu_linear.h"
 #include "kv_store.h"
 #include "paged_attention.h"
-#include "paged_attention_amx.h"
+#include "paged_attention_bf16.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -318,7 +318,7 @@ void bind_kernels(py::module_ &m) {
         "whose rows may lie apart (its heads contiguous: q inside a fused qkv output).\n"
         "num_threads > 1 splits the queries across that many threads (the caller's and the pool's).\n"
         "window > 0: each query sees only its last `window` positions (a sliding window).\n"
-        "bf16_math: with a bf16 cache, bf16 arithmetic on AMX tiles where the CPU has them (dtype=bfloat16).");
+        "bf16_math: with a bf16 cache, bf16 arithmetic where the CPU has AMX or AVX512-BF16 (dtype=bfloat16).");
   m.def("paged_attention", &paged_attention_py<U16>, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("context_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
@@ -335,12 +335,13 @@ void bind_kernels(py::module_ &m) {
         py::arg("k_cache").noconvert(), py::arg("v_cache").noconvert(), py::arg("slots").noconvert(),
         py::arg("num_threads") = 1,
         "The same into bf16 caches, viewed as uint16: each value rounded as torch's .to(torch.bfloat16).");
-  m.def("bf16_attention_amx", [](int head_dim) {
+  m.def("bf16_attention_form", [](int head_dim) {
         PagedAttentionShape s{};
         s.head_dim = head_dim;
-        return paged_attention_amx_fits(s);
+        return std::string(paged_attention_bf16_form(s));
       }, py::arg("head_dim"),
-        "Whether paged_attention's bf16_math runs on AMX tiles here for this head size (else it widens to fp32).");
+        "Which form paged_attention's bf16_math takes here for this head size: 'amx' (AMX tiles),\n"
+        "'native' (vdpbf16ps), or '' (it widens the cache to fp32 instead).");
   m.def("linear", &linear_py, py::arg("x").noconvert(), py::arg("weight").noconvert(),
         py::arg("bias").noconvert() = py::none(), py::arg("out").noconvert(), py::arg("num_threads") = 1,
         "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]), float32, C-contiguous; for the small M of decode\n"

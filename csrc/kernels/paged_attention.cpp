@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "packed_linear_avx512.h"
-#include "paged_attention_amx.h"
+#include "paged_attention_bf16.h"
 #include "paged_attention_heads.h"
 #include "paged_attention_span.h"
 #include "thread_pool.h"
@@ -217,8 +217,8 @@ std::vector<QuerySpan> query_spans(const int32_t *rows, int n, int most) {
 void paged_attention_threaded(const PagedAttentionShape &s, const float *q, const void *k_cache, const void *v_cache,
                               KvDtype dtype, const int32_t *block_tables, const int32_t *query_rows,
                               const int32_t *context_lens, float scale, float *out, int threads) {
-  if (s.bf16_math && dtype == KvDtype::kBF16 && paged_attention_amx_fits(s))
-    return paged_attention_amx(s, q, static_cast<const uint16_t *>(k_cache), static_cast<const uint16_t *>(v_cache),
+  if (s.bf16_math && dtype == KvDtype::kBF16 && paged_attention_bf16_fits(s))
+    return paged_attention_bf16(s, q, static_cast<const uint16_t *>(k_cache), static_cast<const uint16_t *>(v_cache),
                                block_tables, query_rows, context_lens, scale, out, threads);
   const std::vector<Span> spans = query_spans(query_rows, s.num_queries, span_queries(s.num_queries, threads));
   // Enough spans to share among the threads: each takes all its KV heads in one pass, so its

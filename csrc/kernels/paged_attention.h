@@ -25,7 +25,7 @@ struct PagedAttentionShape {
   int max_blocks;    // columns of the block table
   int num_blocks;    // blocks in the cache, for bounds checks
   int window = 0;    // sliding window: a query sees only its last `window` positions (0: all)
-  // bf16 arithmetic on AMX tiles over a bf16 cache (paged_attention_amx.h), for dtype=bfloat16;
+  // bf16 arithmetic over a bf16 cache (paged_attention_bf16.h: AMX or vdpbf16ps), for dtype=bfloat16;
   // where the CPU or the head size does not allow it, the fp32 arithmetic as without it.
   bool bf16_math = false;
   // Floats between query rows of q (0: num_heads * head_dim, q contiguous): q may be read in

@@ -92,7 +92,7 @@ class Attention(nn.Module):
                  context: ForwardContext, window: int = 0):
         super().__init__()
         self.window = window  # sliding window (0: the whole context)
-        # bf16 arithmetic over a bf16 cache on AMX tiles where the CPU has them (dtype=bfloat16:
+        # bf16 arithmetic over a bf16 cache where the CPU has AMX or AVX512-BF16 (dtype=bfloat16:
         # models/bf16_compute.py sets it); else fp32 arithmetic over the widened cache.
         self.bf16_math = False
         self.kv_group = 0  # its KV group: the block table it reads (set with the cache)
@@ -120,7 +120,7 @@ class Attention(nn.Module):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  md: AttentionMetadata) -> torch.Tensor:
         kernel = md.max_query_len <= KERNEL_MAX_QUERY_LEN or cpu_threads.wide_threads() > 1 \
-            or cpu_threads.batch_invariant() or (self.bf16_math and _C.bf16_attention_amx(self.head_dim))
+            or cpu_threads.batch_invariant() or (self.bf16_math and bool(_C.bf16_attention_form(self.head_dim)))
         if _use_cpu_kernel(q, self.k_cache) and kernel:
             rows, lens = prefill_queries(md)
             return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale,

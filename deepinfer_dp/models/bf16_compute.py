@@ -7,8 +7,8 @@ accumulates bf16 pair products in fp32 (csrc/kernels/bf16_linear.h); a norm or a
 that feeds a product writes those rounded rows itself (packed.takes_bf16_rows). Otherwise
 the hidden states stay fp32: RMSNorm, RoPE, softmax and the residual adds run in fp32, as
 vLLM's CPU backend runs them, and the KV cache is bf16 (the runner allocates it in the
-compute dtype). Where the CPU has AMX tiles attention computes in bf16 too
-(csrc/kernels/paged_attention_amx.h: the rounded query times the bf16 cache, the
+compute dtype). Where the CPU has AMX tiles or AVX512-BF16 attention computes in bf16 too
+(csrc/kernels/paged_attention_bf16.h: the rounded query times the bf16 cache, the
 probabilities rounded for the values' product, fp32 accumulation and softmax), as vLLM's CPU
 backend does; elsewhere, or with DEEPINFER_DP_BF16_ATTENTION=0, the attention kernel widens
 the cache to fp32 as it reads. The model is still an fp32 module
@@ -25,7 +25,7 @@ from torch import nn
 from deepinfer_dp.layers.attention import Attention
 from deepinfer_dp.layers.packed import PackedEmbedding, PackedLinear, PackedWeight
 
-# Attention in bf16 on AMX as well (read at import; "0" compares against fp32 attention).
+# Attention in bf16 as well where the CPU allows (read at import; "0" compares against fp32 attention).
 BF16_ATTENTION = os.environ.get("DEEPINFER_DP_BF16_ATTENTION", "1") != "0"
 
 

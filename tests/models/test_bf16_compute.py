@@ -93,9 +93,9 @@ def test_tokens_do_not_depend_on_the_batch(bf16_dirs, monkeypatch, kind, bf16_at
         assert alone[0] == together[i]
 
 
-@pytest.mark.skipif(not _C.bf16_attention_amx(32), reason="needs AMX-BF16")
-def test_attention_runs_in_bf16_on_amx(bf16_dirs, monkeypatch):
-    """qwen3-qknorm's head size 32 takes the AMX tiles: its logits differ from those with
+@pytest.mark.skipif(not _C.bf16_attention_form(32), reason="needs AMX-BF16 or AVX512-BF16")
+def test_attention_runs_in_bf16(bf16_dirs, monkeypatch):
+    """qwen3-qknorm's head size 32 takes the bf16 kernel: its logits differ from those with
     attention in fp32 over the widened cache (DEEPINFER_DP_BF16_ATTENTION=0), and not by much."""
     _, bf16_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch, bf16_attention=True)
     _, fp32_logits = run(bf16_dirs["qwen3-qknorm"], monkeypatch, bf16_attention=False)

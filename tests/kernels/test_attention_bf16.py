@@ -1,9 +1,14 @@
-"""bf16 attention on AMX tiles (paged_attention's bf16_math, dtype=bfloat16): close to the fp32
-kernel over the same cache and the rounded queries, and every query row's floats its own,
-whatever the call's other queries, the thread split, a prefill's chunking or a sliding window;
-nothing a cache slot past the contexts holds (NaN included) reaches a result."""
+"""bf16 attention (paged_attention's bf16_math, dtype=bfloat16; AMX tiles or vdpbf16ps, whichever
+this CPU runs, and on an AMX CPU the vdpbf16ps form too, in a child): close to the fp32 kernel
+over the same cache and the rounded queries, and every query row's floats its own, whatever the
+call's other queries, the thread split, a prefill's chunking or a sliding window; nothing a
+cache slot past the contexts holds (NaN included) reaches a result."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ import torch
 
 from deepinfer_dp import _C
 
-pytestmark = pytest.mark.skipif(not _C.bf16_attention_amx(64), reason="needs AMX-BF16")
+pytestmark = pytest.mark.skipif(not _C.bf16_attention_form(64), reason="needs AMX-BF16 or AVX512-BF16")
 
 
 def make_case(seq_lens, heads, kv_heads, head_dim, block_size, seed=0):
@@ -73,11 +78,14 @@ def test_every_query_row_gets_its_own_floats(heads, kv_heads, head_dim, block_si
     assert np.array_equal(part, here[chunk])
 
 
-def test_decode_rows_equal_the_same_queries_in_a_prefill():
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (4, 2, 96), (8, 2, 256), (10, 2, 64)])
+def test_decode_rows_equal_the_same_queries_in_a_prefill(heads, kv_heads, head_dim):
     """Six decode tokens on two threads take all their KV heads in one unit each (whole cache
-    blocks), the prefill's queries one KV head a unit: the same floats."""
+    blocks), the prefill's queries one KV head a unit: the same floats. Query heads per KV head
+    1 to 5: on vdpbf16ps a decode token's tile of up to 4 rows puts positions in the lanes, a
+    prefill's rows; 96 and 256 dimensions take the value parts in fours and twos."""
     seq_lens = [90, 40, 5, 33, 64, 17]
-    q, caches, table, rows, lens = make_case(seq_lens, 9, 3, 64, 16, seed=2)
+    q, caches, table, rows, lens = make_case(seq_lens, heads, kv_heads, head_dim, 16, seed=2)
     here = attend(q, caches, table, rows, lens)
     last = np.cumsum(seq_lens) - 1  # each sequence's last position, as a decode token
     decode = attend(q[last], caches, table, None, lens[last])
@@ -89,3 +97,17 @@ def test_an_fp32_cache_keeps_fp32_arithmetic():
     q, caches, table, rows, lens = make_case([50, 20], 9, 3, 64, 16, seed=3)
     wide = [torch.from_numpy(c).view(torch.bfloat16).float().numpy() for c in caches]
     assert np.array_equal(attend(q, wide, table, rows, lens), attend(q, wide, table, rows, lens, bf16_math=False))
+
+
+@pytest.mark.skipif(_C.bf16_attention_form(64) != "amx", reason="the vdpbf16ps form is this CPU's own form")
+def test_the_vdpbf16ps_form_on_an_amx_cpu():
+    """An AMX CPU takes the tiles; with DEEPINFER_DP_BF16_AMX=0 (read once a process) the same
+    tests run the vdpbf16ps form, where the CPU has AVX512-BF16."""
+    env = dict(os.environ, DEEPINFER_DP_BF16_AMX="0")
+    form = subprocess.run([sys.executable, "-c", "from deepinfer_dp import _C; print(_C.bf16_attention_form(64))"],
+                          env=env, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    if form != "native":
+        pytest.skip(f"without AMX this CPU's form is {form!r}")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "not vdpbf16ps_form"], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:]

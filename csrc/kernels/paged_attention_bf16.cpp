@@ -1,4 +1,4 @@
-#include "paged_attention_amx.h"
+#include "paged_attention_bf16.h"
 
 #include <algorithm>
 #include <climits>
@@ -7,18 +7,19 @@
 #include <vector>
 
 #include "bf16_amx.h"
+#include "bf16_linear.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #include <immintrin.h>
 
 #include "paged_attention_heads.h"
-#define DEEPINFER_AMX_ATTENTION 1
+#define DEEPINFER_BF16_ATTENTION 1
 #endif
 
 namespace deepinfer {
 
-#ifdef DEEPINFER_AMX_ATTENTION
+#ifdef DEEPINFER_BF16_ATTENTION
 namespace {
 
 constexpr int kRows = 16;       // query rows of a tile: a query token and one of its heads each
@@ -26,7 +27,8 @@ constexpr int kKeys = 32;       // positions of a block: two 16-key score tiles,
 constexpr int kMaxDim = 256;
 constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each gathered block
 
-#define AMX_ATTENTION __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
+// Both forms' code: only the AMX intrinsics emit AMX instructions, and the vdpbf16ps form uses none.
+#define BF16_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
 
 // 2^x for x <= 0 on 16 lanes: x = n + f with n = round(x), 2^f by a degree-4 polynomial on
 // [-0.5, 0.5] fitted for relative error (at most 2.7e-6 in fp32: the probabilities are rounded
@@ -34,7 +36,7 @@ constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each
 // denominator; Cephes' degree 6, 2e-7, spent two more multiply-adds an exp), times 2^n by
 // vscalefps. The softmax runs in base 2 (scores times scale * log2(e)): about half the
 // instructions of an e^x by ln 2 reduction, and the exps are most of a prefill block's work.
-AMX_ATTENTION __m512 exp2_nonpositive16(__m512 x) {
+BF16_TARGET __m512 exp2_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));  // below 2^-126 the result is ~0 either way
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -56,6 +58,7 @@ struct Call {
   const int32_t *tables, *rows, *lens;
   float scale;
   float *out;
+  bool amx;  // the products on AMX tiles, else on vdpbf16ps
 };
 
 // Rows [begin, end) of a span's rows (query t0 + i / G, head kv * G + i % G) for each KV head
@@ -98,7 +101,7 @@ size_t slot_at(const Call &c, int table_row, int p) {
 }
 
 // 16 x 16 dwords transposed in registers: r[i] lane c -> r[c] lane i.
-AMX_ATTENTION void transpose16(__m512i r[16]) {
+BF16_TARGET inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
   __m512i a[16], b[16];
   for (int i = 0; i < 8; ++i) {
     a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -122,7 +125,7 @@ AMX_ATTENTION void transpose16(__m512i r[16]) {
 }
 
 // The tile's rows, their contexts and their queries rounded to bf16 as B tiles (qt).
-AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, Tile &tl, uint32_t *qt, float *o) {
+BF16_TARGET void start_tile(const Call &c, const Unit &u, int kv, int first, Tile &tl, uint32_t *qt, float *o) {
   const int D = c.s.head_dim, G = c.s.num_heads / c.s.num_kv_heads;
   tl.count = std::min(kRows, u.end - first);
   tl.lo = tl.all_hi = INT_MAX;
@@ -160,7 +163,7 @@ AMX_ATTENTION void start_tile(const Call &c, const Unit &u, int kv, int first, T
 
 // Positions [p0, p0 + 32) of KV head kv's K as the scores' A tiles, zeros outside [lo, hi) (a
 // cache slot past every row's context may hold anything, NaN included).
-AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
+BF16_TARGET void gather_keys(const Call &c, int table_row, int kv, int p0, int lo, int hi, KvBlock &s) {
   const int D = c.s.head_dim;
   auto row_at = [&](int p) { return slot_at(c, table_row, p) + static_cast<size_t>(kv) * D; };
   // Each 16-position half of K as the A tile: read in place when its rows are 16 slots of one
@@ -187,7 +190,7 @@ AMX_ATTENTION void gather_keys(const Call &c, int table_row, int kv, int p0, int
 // of part (ch, half) holds V[2k][d], V[2k + 1][d] for the 16 dimensions d of the 32-dimension
 // chunk ch that unpacklo (half 0) or unpackhi (half 1) picks. A position's heads are read
 // together, so a cache block is read front to back.
-AMX_ATTENTION void gather_values(const Call &c, const Unit &u, int p0, int lo, int hi, KvBlock *blocks) {
+BF16_TARGET void gather_values(const Call &c, const Unit &u, int p0, int lo, int hi, KvBlock *blocks) {
   const int D = c.s.head_dim;
   auto heads_at = [&](int p) -> const uint16_t * {
     return p < lo || p >= hi ? nullptr : c.v_cache + slot_at(c, u.table_row, p) + static_cast<size_t>(u.kv_first) * D;
@@ -206,7 +209,7 @@ AMX_ATTENTION void gather_values(const Call &c, const Unit &u, int p0, int lo, i
 
 // Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the
 // tiles, its two 16-position halves side by side (C tiles 0 and 1, their K rows in 2 and 4).
-AMX_ATTENTION void block_scores(const KvBlock &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
+BF16_TARGET void block_scores(const KvBlock &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
   _tile_zero(0);
   _tile_zero(1);
   for (int ch = 0; ch < D / 32; ++ch) {
@@ -221,7 +224,7 @@ AMX_ATTENTION void block_scores(const KvBlock &s, const uint32_t *qt, int D, flo
 }
 
 // Words [a0..a15, b0..b15] as pairs [a0, b0, a1, b1, ...]: lane j (a[j], b[j]), one vpermw.
-AMX_ATTENTION __m512i interleave_pairs(__m512i x) {
+BF16_TARGET __m512i interleave_pairs(__m512i x) {
   alignas(64) static const uint16_t index[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   return _mm512_permutexvar_epi16(_mm512_load_si512(index), x);
@@ -236,7 +239,7 @@ AMX_ATTENTION __m512i interleave_pairs(__m512i x) {
 // prefill's) skips the per-position masks: the same floats. The exps' arguments are explicit
 // fmsubs in both forms: left as a product and a difference, the compiler fuses them in one form
 // and not the other.
-AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
+BF16_TARGET __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys][kRows], uint32_t *pa) {
   const __m512 c = _mm512_set1_ps(scale * kLog2e);
   __mmask16 valid[kKeys];
   if (p0 >= tl.all_lo && p0 + kKeys <= tl.all_hi) {
@@ -278,21 +281,25 @@ AMX_ATTENTION __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys]
   return alpha;
 }
 
-// tile_softmax's floats for row j alone, its 32 positions in two registers: a decode token's
-// tile holds only its own heads, where 16 lanes of rows would mostly compute nothing. Returns
-// the row's alpha.
-AMX_ATTENTION float row_softmax(Tile &tl, int j, int p0, float scale, const float st[kKeys][kRows], uint32_t *pa) {
+// Row j's 32 scores of st in two registers (lanes: positions).
+BF16_TARGET void row_of(const float st[kKeys][kRows], int j, __m512 s[2]) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i column = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(kRows)), _mm512_set1_epi32(j));
+  for (int h = 0; h < 2; ++h) s[h] = _mm512_i32gather_ps(column, st[16 * h], 4);
+}
+
+// tile_softmax's floats for row j alone, its 32 scores s in two registers: a decode token's
+// tile holds only its own heads, where 16 lanes of rows would mostly compute nothing. Returns
+// the row's alpha.
+BF16_TARGET float row_softmax(Tile &tl, int j, int p0, float scale, const __m512 s[2], uint32_t *pa) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 c = _mm512_set1_ps(scale * kLog2e);
-  __m512 s[2];
   __mmask16 valid[2];
   __m512 bmax = _mm512_set1_ps(-INFINITY);
   for (int h = 0; h < 2; ++h) {
     const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(p0 + 16 * h));
     valid[h] = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(tl.len[j]), pos) &
                _mm512_cmple_epi32_mask(_mm512_set1_epi32(tl.start[j]), pos);
-    s[h] = _mm512_i32gather_ps(column, st[16 * h], 4);
     bmax = _mm512_mask_max_ps(bmax, valid[h], bmax, _mm512_mul_ps(s[h], c));
   }
   const float m_old = tl.m[j], m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
@@ -344,7 +351,7 @@ Ahead next_block(const Call &c, const Unit &u, int p, int lo, int hi, int asks) 
 
 // o[row] (from column `o`'s first) = o[row] * alpha[row] + the row of each of `tiles` value
 // tiles stored in ct.
-AMX_ATTENTION void add_values(const Tile &tl, const float *alpha, const float *ct, float *o, int D, int tiles) {
+BF16_TARGET void add_values(const Tile &tl, const float *alpha, const float *ct, float *o, int D, int tiles) {
   for (int j = 0; j < tl.count; ++j) {
     const __m512 a = _mm512_set1_ps(alpha[j]);
     for (int e = 0; e < tiles; ++e) {
@@ -354,8 +361,25 @@ AMX_ATTENTION void add_values(const Tile &tl, const float *alpha, const float *c
   }
 }
 
+// The block's softmax step for the tile's rows: pa and each row's alpha (rows past the tile's
+// count: probabilities 0, alpha 1).
+BF16_TARGET void block_softmax(const Call &c, Tile &tl, int p0, float st[kKeys][kRows], uint32_t *pa,
+                                 float *alpha) {
+  if (tl.count > kFewRows) {
+    _mm512_store_ps(alpha, tile_softmax(tl, p0, c.scale, st, pa));
+  } else {
+    _mm512_store_ps(alpha, _mm512_set1_ps(1.f));
+    for (int j = 0; j < tl.count; ++j) {
+      __m512 row[2];
+      row_of(st, j, row);
+      alpha[j] = row_softmax(tl, j, p0, c.scale, row, pa);
+    }
+    std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
+  }
+}
+
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
-AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
+BF16_TARGET void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
                          Ahead &ahead) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
@@ -364,12 +388,7 @@ AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32
   ahead.ask();
   block_scores(s, qt, D, st);
   ahead.ask();
-  if (tl.count > kFewRows) {
-    _mm512_store_ps(alpha, tile_softmax(tl, p0, c.scale, st, pa));
-  } else {
-    for (int j = 0; j < tl.count; ++j) alpha[j] = row_softmax(tl, j, p0, c.scale, st, pa);
-    std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
-  }
+  block_softmax(c, tl, p0, st, pa, alpha);
   _tile_loadd(4, pa, 64);
   // Four value tiles at once (C 6, 7, 0, 1; V rows in 5, 2, 3, then 5 again), then two: the
   // products overlap, and each store waits on one product's latency, not on a chain of them.
@@ -408,9 +427,142 @@ AMX_ATTENTION void block(const Call &c, const KvBlock &s, Tile &tl, const uint32
   }
 }
 
+// block_scores without tiles: st[p][row] is one vdpbf16ps chain, from zero, over the head's D / 2
+// pairs in order, of the rows' query pairs (qt: a register of the 16 rows a pair) times position
+// p's key pair broadcast. Sixteen positions' chains at once, the query pairs loaded once for them.
+BF16_TARGET void block_scores_dot(const KvBlock &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
+  for (int h = 0; h < 2; ++h) {
+    const char *k = reinterpret_cast<const char *>(s.k_rows[h]);
+    const int stride = s.k_stride[h];
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int pair = 0; pair < D / 2; ++pair) {
+      const __m512bh qp = (__m512bh)_mm512_loadu_si512(qt + pair * 16);
+      const char *kp = k + pair * 4;
+      for (int i = 0; i < 16; ++i) {
+        int32_t key;
+        std::memcpy(&key, kp + i * stride, 4);
+        acc[i] = _mm512_dpbf16_ps(acc[i], qp, (__m512bh)_mm512_set1_epi32(key));
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(st[16 * h + i], acc[i]);
+  }
+}
+
+// kRowsN rows (at most 4) from j0 and kParts (2 or 4) 16-column value parts from e0: o = o *
+// alpha + one vdpbf16ps chain, from zero, over the block's 16 position pairs in order (pa:
+// [row][pair], vb: [part][pair][16 columns x 2 positions]). Both constants, so that the sums
+// stay in registers and a decode token's 3 rows compute no fourth.
+template <int kRowsN, int kParts>
+BF16_TARGET void values_dot(const KvBlock &s, const uint32_t *pa, const float *alpha, float *o, int D, int j0,
+                              int e0) {
+  __m512 acc[kRowsN][kParts];
+  for (int r = 0; r < kRowsN; ++r)
+    for (int e = 0; e < kParts; ++e) acc[r][e] = _mm512_setzero_ps();
+  for (int k = 0; k < kKeys / 2; ++k) {
+    __m512bh v[kParts];
+    for (int e = 0; e < kParts; ++e) v[e] = (__m512bh)_mm512_load_si512(s.vb + ((e0 + e) * 16 + k) * 32);
+    for (int r = 0; r < kRowsN; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pa[(j0 + r) * 16 + k]));
+      for (int e = 0; e < kParts; ++e) acc[r][e] = _mm512_dpbf16_ps(acc[r][e], v[e], p);
+    }
+  }
+  for (int r = 0; r < kRowsN; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[j0 + r]);
+    for (int e = 0; e < kParts; ++e) {
+      float *oj = o + (j0 + r) * D + (e0 + e) * 16;
+      _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), a, acc[r][e]));
+    }
+  }
+}
+
+// The block's K pairs with positions in the lanes, kt [2 halves][D / 2 pairs][16 positions]: a
+// decode token's few rows then fill the lanes.
+BF16_TARGET void transpose_keys(const KvBlock &s, int D, uint32_t *kt) {
+  for (int h = 0; h < 2; ++h) {
+    const char *k = reinterpret_cast<const char *>(s.k_rows[h]);
+    for (int ch = 0; ch < D / 32; ++ch) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k + i * s.k_stride[h] + ch * 64);
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + (h * D / 2 + ch * 16 + p) * 16, r[p]);
+    }
+  }
+}
+
+// block_scores_dot's floats for the tile's first kRowsN rows, lanes: positions. The same chains: each pair's two products are exact, so which
+// operand holds the query does not change a sum.
+template <int kRowsN>
+BF16_TARGET void few_scores_dot(const uint32_t *kt, const uint32_t *qt, int D, __m512 s[kFewRows][2]) {
+  __m512 acc[kRowsN][2];
+  for (int j = 0; j < kRowsN; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int pair = 0; pair < D / 2; ++pair) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + pair * 16);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + (D / 2 + pair) * 16);
+    for (int j = 0; j < kRowsN; ++j) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qt[pair * 16 + j]));
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], k0, q);
+      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], k1, q);
+    }
+  }
+  for (int j = 0; j < kRowsN; ++j) s[j][0] = acc[j][0], s[j][1] = acc[j][1];
+}
+
+// block_softmax's floats for a tile of kFewRows rows or fewer, the scores on vdpbf16ps.
+BF16_TARGET void few_rows_dot(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, int p0,
+                                uint32_t *pa, float *alpha) {
+  const int D = c.s.head_dim;
+  alignas(64) uint32_t kt[kMaxDim * 16];
+  transpose_keys(s, D, kt);
+  __m512 rows[kFewRows][2];
+  switch (tl.count) {
+    case 1: few_scores_dot<1>(kt, qt, D, rows); break;
+    case 2: few_scores_dot<2>(kt, qt, D, rows); break;
+    case 3: few_scores_dot<3>(kt, qt, D, rows); break;
+    default: few_scores_dot<4>(kt, qt, D, rows); break;
+  }
+  _mm512_store_ps(alpha, _mm512_set1_ps(1.f));
+  for (int j = 0; j < tl.count; ++j) alpha[j] = row_softmax(tl, j, p0, c.scale, rows[j], pa);
+  std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
+}
+
+// block() on vdpbf16ps: the same layouts and steps, each product a chain of register ops.
+BF16_TARGET void block_dot(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
+                             Ahead &ahead) {
+  const int D = c.s.head_dim;
+  alignas(64) float st[kKeys][kRows];
+  alignas(64) uint32_t pa[kRows * 16];
+  alignas(64) float alpha[kRows];
+  ahead.ask();
+  if (tl.count > kFewRows) {
+    block_scores_dot(s, qt, D, st);
+    ahead.ask();
+    block_softmax(c, tl, p0, st, pa, alpha);
+  } else {
+    few_rows_dot(c, s, tl, qt, p0, pa, alpha);
+    ahead.ask();
+  }
+  for (int e0 = 0; e0 < D / 16; e0 += 4) {  // D / 16 is even: parts of 4, then maybe 2
+    const bool four = D / 16 - e0 >= 4;
+    for (int j0 = 0; j0 < tl.count; j0 += 4) {
+      switch (std::min(4, tl.count - j0) + (four ? 0 : 4)) {
+        case 1: values_dot<1, 4>(s, pa, alpha, o, D, j0, e0); break;
+        case 2: values_dot<2, 4>(s, pa, alpha, o, D, j0, e0); break;
+        case 3: values_dot<3, 4>(s, pa, alpha, o, D, j0, e0); break;
+        case 4: values_dot<4, 4>(s, pa, alpha, o, D, j0, e0); break;
+        case 5: values_dot<1, 2>(s, pa, alpha, o, D, j0, e0); break;
+        case 6: values_dot<2, 2>(s, pa, alpha, o, D, j0, e0); break;
+        case 7: values_dot<3, 2>(s, pa, alpha, o, D, j0, e0); break;
+        default: values_dot<4, 2>(s, pa, alpha, o, D, j0, e0); break;
+      }
+    }
+    ahead.ask();
+  }
+}
+
 // The tile's rows out: o / l, each 32-dimension chunk's two value tiles (unpacklo's and
 // unpackhi's dimensions) merged back into dimension order.
-AMX_ATTENTION void finish_tile(const Call &c, const Tile &tl, const float *o) {
+BF16_TARGET void finish_tile(const Call &c, const Tile &tl, const float *o) {
   const int D = c.s.head_dim;
   // Dimension d = 8a + b of a chunk sits in the low tile's column 4a + b for b < 4, else in
   // the high tile's column 4a + b - 4 (lane 16 + that of the two-table permute).
@@ -428,7 +580,7 @@ AMX_ATTENTION void finish_tile(const Call &c, const Tile &tl, const float *o) {
   }
 }
 
-AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
+BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
   const int D = c.s.head_dim, per_head = (u.end - u.begin + kRows - 1) / kRows, n_tiles = u.kv_count * per_head;
   s.tiles.resize(n_tiles);
   s.o.resize(static_cast<size_t>(n_tiles) * kRows * D);
@@ -441,7 +593,7 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
     lo = std::min(lo, s.tiles[k].lo);
     hi = std::max(hi, s.tiles[k].hi);
   }
-  amx_configure_tiles();
+  if (c.amx) amx_configure_tiles();
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
     gather_values(c, u, p0, lo, hi, s.kv.data());
     for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
@@ -450,11 +602,17 @@ AMX_ATTENTION void run_unit(const Call &c, const Unit &u, Scratch &s) {
     int active = 0;
     for (int k = 0; k < n_tiles; ++k) active += touches(k);
     Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + (D + 63) / 64));  // block()'s asks
-    for (int k = 0; k < n_tiles; ++k)
-      if (touches(k))
-        block(c, s.kv[k / per_head], s.tiles[k], s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D, p0, ahead);
+    for (int k = 0; k < n_tiles; ++k) {
+      if (!touches(k)) continue;
+      const uint32_t *qt = s.qt.data() + k * 8 * D;
+      float *o = s.o.data() + k * kRows * D;
+      if (c.amx)
+        block(c, s.kv[k / per_head], s.tiles[k], qt, o, p0, ahead);
+      else
+        block_dot(c, s.kv[k / per_head], s.tiles[k], qt, o, p0, ahead);
+    }
   }
-  _tile_release();
+  if (c.amx) _tile_release();
   for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);
 }
 
@@ -486,15 +644,17 @@ std::vector<Unit> make_units(const Call &c, int threads) {
 
 }  // namespace
 
-bool paged_attention_amx_fits(const PagedAttentionShape &shape) {
-  return bf16_amx_available() && shape.head_dim % 32 == 0 && shape.head_dim <= kMaxDim;
+const char *paged_attention_bf16_form(const PagedAttentionShape &shape) {
+  if (shape.head_dim % 32 != 0 || shape.head_dim > kMaxDim) return "";
+  if (bf16_amx_available()) return "amx";
+  return bf16_dot_default_path() == Bf16DotPath::kNative ? "native" : "";
 }
 
-void paged_attention_amx(const PagedAttentionShape &shape, const float *q, const uint16_t *k_cache,
+void paged_attention_bf16(const PagedAttentionShape &shape, const float *q, const uint16_t *k_cache,
                          const uint16_t *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                          const int32_t *context_lens, float scale, float *out, int threads) {
   if (shape.num_queries <= 0) return;
-  const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out};
+  const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out, bf16_amx_available()};
   const std::vector<Unit> units = make_units(c, threads);
   shared_pool(threads).run(static_cast<int>(units.size()), threads, [&](int u) {
     thread_local Scratch scratch;
@@ -502,9 +662,11 @@ void paged_attention_amx(const PagedAttentionShape &shape, const float *q, const
   });
 }
 #else
-bool paged_attention_amx_fits(const PagedAttentionShape &) { return false; }
-void paged_attention_amx(const PagedAttentionShape &, const float *, const uint16_t *, const uint16_t *,
+const char *paged_attention_bf16_form(const PagedAttentionShape &) { return ""; }
+void paged_attention_bf16(const PagedAttentionShape &, const float *, const uint16_t *, const uint16_t *,
                          const int32_t *, const int32_t *, const int32_t *, float, float *, int) {}
 #endif
+
+bool paged_attention_bf16_fits(const PagedAttentionShape &shape) { return *paged_attention_bf16_form(shape) != 0; }
 
 }  // namespace deepinfer
