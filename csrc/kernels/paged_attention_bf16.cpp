@@ -364,7 +364,7 @@ BF16_TARGET void add_values(const Tile &tl, const float *alpha, const float *ct,
 // The block's softmax step for the tile's rows: pa and each row's alpha (rows past the tile's
 // count: probabilities 0, alpha 1).
 BF16_TARGET void block_softmax(const Call &c, Tile &tl, int p0, float st[kKeys][kRows], uint32_t *pa,
-                                 float *alpha) {
+                               float *alpha) {
   if (tl.count > kFewRows) {
     _mm512_store_ps(alpha, tile_softmax(tl, p0, c.scale, st, pa));
   } else {
@@ -380,7 +380,7 @@ BF16_TARGET void block_softmax(const Call &c, Tile &tl, int p0, float st[kKeys][
 
 // One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
 BF16_TARGET void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
-                         Ahead &ahead) {
+                       Ahead &ahead) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
@@ -455,7 +455,7 @@ BF16_TARGET void block_scores_dot(const KvBlock &s, const uint32_t *qt, int D, f
 // stay in registers and a decode token's 3 rows compute no fourth.
 template <int kRowsN, int kParts>
 BF16_TARGET void values_dot(const KvBlock &s, const uint32_t *pa, const float *alpha, float *o, int D, int j0,
-                              int e0) {
+                            int e0) {
   __m512 acc[kRowsN][kParts];
   for (int r = 0; r < kRowsN; ++r)
     for (int e = 0; e < kParts; ++e) acc[r][e] = _mm512_setzero_ps();
@@ -508,9 +508,10 @@ BF16_TARGET void few_scores_dot(const uint32_t *kt, const uint32_t *qt, int D, _
   for (int j = 0; j < kRowsN; ++j) s[j][0] = acc[j][0], s[j][1] = acc[j][1];
 }
 
-// block_softmax's floats for a tile of kFewRows rows or fewer, the scores on vdpbf16ps.
+// block_softmax's floats for a tile of kFewRows rows or fewer, the scores on vdpbf16ps; pa and
+// alpha only for the tile's rows (values_dot reads no others).
 BF16_TARGET void few_rows_dot(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, int p0,
-                                uint32_t *pa, float *alpha) {
+                              uint32_t *pa, float *alpha) {
   const int D = c.s.head_dim;
   alignas(64) uint32_t kt[kMaxDim * 16];
   transpose_keys(s, D, kt);
@@ -521,14 +522,12 @@ BF16_TARGET void few_rows_dot(const Call &c, const KvBlock &s, Tile &tl, const u
     case 3: few_scores_dot<3>(kt, qt, D, rows); break;
     default: few_scores_dot<4>(kt, qt, D, rows); break;
   }
-  _mm512_store_ps(alpha, _mm512_set1_ps(1.f));
   for (int j = 0; j < tl.count; ++j) alpha[j] = row_softmax(tl, j, p0, c.scale, rows[j], pa);
-  std::memset(pa + tl.count * 16, 0, sizeof(uint32_t) * 16 * (kRows - tl.count));
 }
 
 // block() on vdpbf16ps: the same layouts and steps, each product a chain of register ops.
 BF16_TARGET void block_dot(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
-                             Ahead &ahead) {
+                           Ahead &ahead) {
   const int D = c.s.head_dim;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
