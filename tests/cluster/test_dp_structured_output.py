@@ -26,8 +26,10 @@ def ray_llm(tiny_model_dir, ray_cluster):
     # Round robin, named: these tests place requests by their order. Under the default
     # (cache_aware: the least loaded rank for unrelated prompts) the placement follows the
     # router's live in-flight counts, and one CI run split the 6 requests other than 3/3.
-    llm = LLM(str(tiny_model_dir), dp_size=2, dp_options={"collective_timeout_s": 10, "policy": "round_robin"},
-              **ENGINE)
+    # The default collective timeout, not a short one: nothing here kills a rank, and a rank
+    # starved of CPU past the timeout breaks the group, whose re-forming leaves the rank that
+    # had voted ahead one step past its peer (a 10 s timeout did so on a loaded machine).
+    llm = LLM(str(tiny_model_dir), dp_size=2, dp_options={"policy": "round_robin"}, **ENGINE)
     yield llm
     llm.shutdown()
 

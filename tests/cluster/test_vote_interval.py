@@ -125,7 +125,7 @@ def test_vote_interval_under_ray(tiny_model_dir, dp1_token_ids, ray_cluster):
     from deepinfer_dp.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_model_dir), decode_sequence=False, dp_size=2, dp_vote_interval=4,
-              dp_options={"collective_timeout_s": 10, "max_rank_restarts": 0}, **ENGINE)
+              dp_options={"max_rank_restarts": 0}, **ENGINE)  # the default timeout: see test_dp_structured_output
     try:
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == dp1_token_ids
         waves = _settled(llm)[0]["waves_run"]
