@@ -1,6 +1,6 @@
-"""The machine's ceilings (fp32 matmul GFLOP/s, memory read GB/s, both on all cores) and
-the default model's cost per token, so that throughputs can be read as shares of what the
-machine can do."""
+"""The machine's ceilings (fp32 matmul GFLOP/s, memory read GB/s, the multiply-add peaks; all on
+all cores) and the default model's cost per token, so that throughputs can be read as shares of
+what the machine can do."""
 
 from __future__ import annotations
 
@@ -22,7 +22,20 @@ def machine_ceilings(reps: int = 5) -> dict:
             torch.mm(a, b)
         best = min(best, (time.perf_counter() - t) / 4)
     gflops = 2 * 2048**3 / best / 1e9
-    return {"matmul_gflops": gflops, "read_gbs": read_gbs(threads, reps), "threads": torch.get_num_threads()}
+    return {"matmul_gflops": gflops, "read_gbs": read_gbs(threads, reps), "threads": torch.get_num_threads(),
+            "fma_gflops": dot_peak(False, threads), "bf16_dot_gflops": dot_peak(True, threads)}
+
+
+def dot_peak(bf16: bool, threads: int, reps: int = 3) -> float:
+    """GFLOP/s of `threads` cores' multiply-add units together, from `_C.dot_peak_gflops`'s loop of
+    register chains run on every core at once (512-bit fp32 FMA, or vdpbf16ps with bf16), each
+    core's rate over its own CPU time, the best of `reps`; 0 where the CPU lacks the instruction."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer_dp import _C
+
+    with ThreadPoolExecutor(threads) as pool:  # the loop releases the GIL
+        return max(sum(pool.map(lambda _: _C.dot_peak_gflops(bf16), range(threads))) for _ in range(reps))
 
 
 def read_gbs(threads: int, reps: int = 5) -> float:

@@ -53,22 +53,30 @@ def identity(ours: list[list[int]], theirs: list[list[int]]) -> str:
     return f"{same}/{len(ours)} identical (others diverge at token {statistics.median(first):.0f}, median)"
 
 
-def shares(tok_s: float, w: dict, costs: dict, ceilings: dict) -> str:
-    """Decode-step estimate; the measured time includes prefill, so these are lower bounds."""
+def shares(tok_s: float, w: dict, costs: dict, ceilings: dict, bf16: bool = False) -> str:
+    """Decode-step estimate; the measured time includes prefill, so these are lower bounds. The
+    peak share is of the instruction the products use: vdpbf16ps for bf16, else fp32 FMA."""
     batch = len(w["prompts"])
     ctx = statistics.mean(len(p) for p in w["prompts"]) + w["max_tokens"] / 2
     flops = costs["matmul_flops"] + costs["attn_flops_per_position"] * ctx
     step_bytes = costs["weight_bytes"] + batch * ctx * costs["kv_bytes_per_position"]
     compute = tok_s * flops / (ceilings["matmul_gflops"] * 1e9)
     memory = tok_s / batch * step_bytes / (ceilings["read_gbs"] * 1e9)
-    return f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
+    out = f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
+    peak_name, peak = ("vdpbf16ps", ceilings.get("bf16_dot_gflops")) if bf16 else ("FMA", ceilings.get("fma_gflops"))
+    if peak:
+        gflops = tok_s * flops / 1e9
+        out += f", {gflops / peak * 100:.0f}% of the {peak_name} peak ({gflops:.0f} GFLOP/s)"
+    return out
 
 
 def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: dict, skipped: list[str],
                  ours_name: str = OURS) -> None:
-    print(f"machine: fp32 matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read {ceilings['read_gbs']:.1f} GB/s "
-          f"({ceilings['threads']} threads); model: {costs['matmul_flops'] / 1e9:.2f} GFLOP/token in matmuls, "
-          f"{costs['weight_bytes'] / 2**20:.0f} MiB of weights as stored")
+    print(f"machine: fp32 matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read {ceilings['read_gbs']:.1f} GB/s, "
+          f"peaks 512-bit FMA {ceilings.get('fma_gflops', 0):.0f} and vdpbf16ps "
+          f"{ceilings.get('bf16_dot_gflops', 0):.0f} GFLOP/s ({ceilings['threads']} threads); model: "
+          f"{costs['matmul_flops'] / 1e9:.2f} GFLOP/token in matmuls, {costs['weight_bytes'] / 2**20:.0f} MiB of "
+          "weights as stored")
     for name in spec["workloads"]:
         w = spec["workloads"][name]
         engines = best_by_engine(rounds, name)
@@ -87,7 +95,7 @@ def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: di
             if "prefill_s" in e:
                 print(prefill_decode(engine, e, ours, sum(len(p) for p in w["prompts"])))
         if ours:
-            print(f"  {shares(ours['tok_s'], w, costs, ceilings)}")
+            print(f"  {shares(ours['tok_s'], w, costs, ceilings, ours_name != OURS)}")
     for s in skipped:
         print(f"skipped: {s}")
     for run in (r for runs in rounds for r in runs if "error" in r):
