@@ -1,6 +1,7 @@
 """The bf16 product's kernels against the machine: one thread, SmolLM2-135M's matrices, in
 GFLOP/s over the thread's CPU time, next to one core's peaks measured by a loop of register
-chains in the same process (`_C.dot_peak_gflops`: vdpbf16ps, and 512-bit fp32 FMA), and next
+chains in the same process (`_C.dot_peak_gflops`: vdpbf16ps, and 512-bit fp32 FMA) and AMX's
+tile products on tiles loaded once (`_C.amx_peak_gflops`), and next
 to our fp32 path on the same bf16 weights (format "bf16", widened in registers). Paths: AMX
 tiles (the default where the CPU has AMX-BF16; its columns read "-" on a CPU without AMX) and
 vdpbf16ps ("native").
@@ -61,14 +62,17 @@ def main() -> None:
     has_amx = "amx" in _C.bf16_dot_paths()
     peak16 = max(_C.dot_peak_gflops(True) for _ in range(args.rounds))
     peak32 = max(_C.dot_peak_gflops(False) for _ in range(args.rounds))
-    print(f"one core's peaks (thread CPU time): vdpbf16ps {peak16:.1f} GFLOP/s, 512-bit fp32 FMA {peak32:.1f}")
-    print("GFLOP/s per path; % of the vdpbf16ps peak for it, of the FMA peak for fp32; AMX's speed-up over fp32")
-    print(f"{'matrix':<8} {'rows':>5} {'AMX':>8} {'AMX wt GB/s':>11} {'vdpbf16ps':>10} {'(% peak)':>8} "
+    peak_amx = max(_C.amx_peak_gflops() for _ in range(args.rounds))
+    print(f"one core's peaks (thread CPU time): vdpbf16ps {peak16:.1f} GFLOP/s, 512-bit fp32 FMA {peak32:.1f}, "
+          f"AMX {peak_amx:.1f}")
+    print("GFLOP/s per path and % of its own peak; AMX's speed-up over fp32")
+    print(f"{'matrix':<8} {'rows':>5} {'AMX':>8} {'(% peak)':>8} {'AMX wt GB/s':>11} {'vdpbf16ps':>10} {'(% peak)':>8} "
           f"{'fp32':>8} {'(% peak)':>8} {'AMX/fp32':>8}")
     for rows in args.rows:
         for name, n, k in SHAPES:
             amx, dot, f32 = (2.0 * rows * n * k / t / 1e9 for t in product_times(rows, n, k, args.rounds, has_amx))
-            amx_cols = f"{amx:>8.1f} {amx / rows:>11.1f}" if has_amx else f"{'-':>8} {'-':>11}"
+            amx_cols = (f"{amx:>8.1f} {amx / peak_amx:>8.0%} {amx / rows:>11.1f}" if has_amx
+                        else f"{'-':>8} {'-':>8} {'-':>11}")
             ratio = f"{amx / f32:>7.2f}x" if has_amx else f"{'-':>8}"
             print(f"{name:<8} {rows:>5} {amx_cols} {dot:>10.1f} {dot / peak16:>8.0%} "
                   f"{f32:>8.1f} {f32 / peak32:>8.0%} {ratio}")

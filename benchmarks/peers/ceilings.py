@@ -23,19 +23,32 @@ def machine_ceilings(reps: int = 5) -> dict:
         best = min(best, (time.perf_counter() - t) / 4)
     gflops = 2 * 2048**3 / best / 1e9
     return {"matmul_gflops": gflops, "read_gbs": read_gbs(threads, reps), "threads": torch.get_num_threads(),
-            "fma_gflops": dot_peak(False, threads), "bf16_dot_gflops": dot_peak(True, threads)}
+            "fma_gflops": dot_peak(False, threads), "bf16_dot_gflops": dot_peak(True, threads),
+            "amx_gflops": amx_peak(threads)}
 
 
 def dot_peak(bf16: bool, threads: int, reps: int = 3) -> float:
     """GFLOP/s of `threads` cores' multiply-add units together, from `_C.dot_peak_gflops`'s loop of
     register chains run on every core at once (512-bit fp32 FMA, or vdpbf16ps with bf16), each
     core's rate over its own CPU time, the best of `reps`; 0 where the CPU lacks the instruction."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from deepinfer_dp import _C
 
-    with ThreadPoolExecutor(threads) as pool:  # the loop releases the GIL
-        return max(sum(pool.map(lambda _: _C.dot_peak_gflops(bf16), range(threads))) for _ in range(reps))
+    return _on_every_core(lambda: _C.dot_peak_gflops(bf16), threads, reps)
+
+
+def amx_peak(threads: int, reps: int = 3) -> float:
+    """The same for AMX's tile products (`_C.amx_peak_gflops`), where our bf16 products run on a
+    CPU with AMX-BF16; 0 without it."""
+    from deepinfer_dp import _C
+
+    return _on_every_core(_C.amx_peak_gflops, threads, reps)
+
+
+def _on_every_core(loop, threads: int, reps: int) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:  # the loops release the GIL
+        return max(sum(pool.map(lambda _: loop(), range(threads))) for _ in range(reps))
 
 
 def read_gbs(threads: int, reps: int = 5) -> float:

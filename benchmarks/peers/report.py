@@ -55,7 +55,8 @@ def identity(ours: list[list[int]], theirs: list[list[int]]) -> str:
 
 def shares(tok_s: float, w: dict, costs: dict, ceilings: dict, bf16: bool = False) -> str:
     """Decode-step estimate; the measured time includes prefill, so these are lower bounds. The
-    peak share is of the instruction the products use: vdpbf16ps for bf16, else fp32 FMA."""
+    peak share is of the instruction the products use: for bf16 AMX's tiles where the CPU has
+    them, else vdpbf16ps; fp32 FMA for fp32."""
     batch = len(w["prompts"])
     ctx = statistics.mean(len(p) for p in w["prompts"]) + w["max_tokens"] / 2
     flops = costs["matmul_flops"] + costs["attn_flops_per_position"] * ctx
@@ -63,18 +64,28 @@ def shares(tok_s: float, w: dict, costs: dict, ceilings: dict, bf16: bool = Fals
     compute = tok_s * flops / (ceilings["matmul_gflops"] * 1e9)
     memory = tok_s / batch * step_bytes / (ceilings["read_gbs"] * 1e9)
     out = f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
-    peak_name, peak = ("vdpbf16ps", ceilings.get("bf16_dot_gflops")) if bf16 else ("FMA", ceilings.get("fma_gflops"))
+    peak_name, peak = product_peak(ceilings, bf16)
     if peak:
         gflops = tok_s * flops / 1e9
         out += f", {gflops / peak * 100:.0f}% of the {peak_name} peak ({gflops:.0f} GFLOP/s)"
     return out
 
 
+def product_peak(ceilings: dict, bf16: bool) -> tuple[str, float | None]:
+    """The peak of the instruction our products use, and its name."""
+    if not bf16:
+        return "FMA", ceilings.get("fma_gflops")
+    if ceilings.get("amx_gflops"):
+        return "AMX", ceilings["amx_gflops"]
+    return "vdpbf16ps", ceilings.get("bf16_dot_gflops")
+
+
 def print_report(rounds: list[list[dict]], spec: dict, ceilings: dict, costs: dict, skipped: list[str],
                  ours_name: str = OURS) -> None:
     print(f"machine: fp32 matmul {ceilings['matmul_gflops']:.0f} GFLOP/s, read {ceilings['read_gbs']:.1f} GB/s, "
-          f"peaks 512-bit FMA {ceilings.get('fma_gflops', 0):.0f} and vdpbf16ps "
-          f"{ceilings.get('bf16_dot_gflops', 0):.0f} GFLOP/s ({ceilings['threads']} threads); model: "
+          f"peaks 512-bit FMA {ceilings.get('fma_gflops', 0):.0f}, vdpbf16ps "
+          f"{ceilings.get('bf16_dot_gflops', 0):.0f} and AMX {ceilings.get('amx_gflops', 0):.0f} GFLOP/s "
+          f"({ceilings['threads']} threads); model: "
           f"{costs['matmul_flops'] / 1e9:.2f} GFLOP/token in matmuls, {costs['weight_bytes'] / 2**20:.0f} MiB of "
           "weights as stored")
     for name in spec["workloads"]:

@@ -23,9 +23,9 @@ Each round runs every engine once (ours: the short workloads in one process at t
 size, long16 in another), so drift of this machine's speed hits all engines alike; the best
 round of each engine counts. A peer whose python is missing is skipped, and the report says so.
 Before the rounds the runner measures the machine's ceilings: fp32 matmul GFLOP/s, read GB/s
-and the multiply-add peaks of a loop of register chains (512-bit fp32 FMA, vdpbf16ps), all on
-all cores, and prints what share of each our throughput reaches (of the vdpbf16ps peak with
---bf16, else of the FMA one).
+and the multiply-add peaks of a loop of register chains (512-bit fp32 FMA, vdpbf16ps) and of AMX's
+tile products, all on all cores, and prints what share of each our throughput reaches (with
+--bf16 of the AMX peak where the CPU has AMX, else of the vdpbf16ps one; else of the FMA one).
 """
 
 from __future__ import annotations

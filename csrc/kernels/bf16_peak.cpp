@@ -1,6 +1,9 @@
 #include "bf16_peak.h"
 
+#include <cstdint>
 #include <ctime>
+
+#include "bf16_amx.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -46,7 +49,37 @@ __attribute__((target("avx512f,avx512bf16"))) double dpbf16_loop(long iters) {
   return iters * 12.0 * 32 * 2 / dt / 1e9;
 }
 
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) double amx_loop(long iters) {
+  alignas(64) uint16_t a[16 * 32], b[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int i = 0; i < 16 * 32; ++i) a[i] = 0x3f80, b[i] = 0x3380;  // 1 and 2^-24: no overflow
+  amx_configure_tiles();
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const double t = seconds();
+  for (long k = 0; k < iters; ++k) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double dt = seconds() - t;
+  _tile_stored(3, c, 64);  // keeps the products
+  volatile float sink = c[0];
+  (void)sink;
+  _tile_release();
+  return iters * 4.0 * 16 * 16 * 32 * 2 / dt / 1e9;
+}
+
 }  // namespace
+
+double amx_peak_gflops(long iters) { return bf16_amx_available() ? amx_loop(iters) : 0.0; }
 
 double dot_peak_gflops(bool bf16, long iters) {
   if (bf16) return __builtin_cpu_supports("avx512bf16") ? dpbf16_loop(iters) : 0.0;
@@ -57,5 +90,6 @@ double dot_peak_gflops(bool bf16, long iters) {
 #else
 namespace deepinfer {
 double dot_peak_gflops(bool, long) { return 0.0; }
+double amx_peak_gflops(long) { return 0.0; }
 }  // namespace deepinfer
 #endif

@@ -105,6 +105,12 @@ void bind_bf16_kernels(py::module_ &m) {
       }, py::arg("bf16"), py::arg("iters") = 20000000,
         "One core's multiply-add peak in GFLOP/s from a loop of 12 register chains: vdpbf16ps (bf16=True)\n"
         "or 512-bit fp32 FMA; 0 where the CPU lacks them.");
+  m.def("amx_peak_gflops", [](long iters) {
+        py::gil_scoped_release release;
+        return amx_peak_gflops(iters);
+      }, py::arg("iters") = 2000000,
+        "One core's AMX peak in GFLOP/s: four TDPBF16PS a round into four C tiles from tiles loaded once\n"
+        "(the 2 x 2 tiles the AMX products use); 0 where AMX-BF16 is not available.");
   m.def("bf16_dot_paths", [] {
         std::vector<std::string> out;
         for (Bf16DotPath p : kPaths)

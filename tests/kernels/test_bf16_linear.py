@@ -181,6 +181,20 @@ def test_cpu_without_the_instructions_gives_the_same_floats(env, path, tmp_path)
     assert np.array_equal(np.load(tmp_path / "y.npy"), run(x, data, None, path=path))
 
 
+def test_amx_peak_is_measured_where_amx_runs_and_zero_where_it_does_not():
+    """The peers runner reads our bf16 products against this peak on an AMX CPU; a CPU (or a
+    process, DEEPINFER_DP_BF16_AMX=0) without AMX gets 0, never a crash on a tile op."""
+    peak = _C.amx_peak_gflops(20000)
+    if AMX:
+        assert np.isfinite(peak) and peak > 0
+    else:
+        assert peak == 0.0
+    done = subprocess.run([sys.executable, "-c", "from deepinfer_dp import _C; print(_C.amx_peak_gflops(20000))"],
+                          env={**os.environ, "DEEPINFER_DP_BF16_AMX": "0"}, check=True, timeout=120,
+                          capture_output=True, text=True)
+    assert float(done.stdout) == 0.0
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: PackedWeight(np.zeros((8, 64), np.uint8), "bf16_pairs", 32), "multiple of 16"),
     (lambda: _C.bf16_pairs_pack(np.zeros((8, 4), np.uint16), np.zeros((8, 8), np.uint8)), "multiple of 16"),
