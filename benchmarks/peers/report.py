@@ -56,11 +56,13 @@ def identity(ours: list[list[int]], theirs: list[list[int]]) -> str:
 def shares(tok_s: float, w: dict, costs: dict, ceilings: dict, bf16: bool = False) -> str:
     """Decode-step estimate; the measured time includes prefill, so these are lower bounds. The
     peak share is of the instruction the products use: for bf16 AMX's tiles where the CPU has
-    them, else vdpbf16ps; fp32 FMA for fp32."""
+    them, else vdpbf16ps; fp32 FMA for fp32. The bf16 path's KV cache holds bf16, half the
+    bytes of model_costs' fp32 positions."""
     batch = len(w["prompts"])
     ctx = statistics.mean(len(p) for p in w["prompts"]) + w["max_tokens"] / 2
     flops = costs["matmul_flops"] + costs["attn_flops_per_position"] * ctx
-    step_bytes = costs["weight_bytes"] + batch * ctx * costs["kv_bytes_per_position"]
+    kv_bytes = costs["kv_bytes_per_position"] / (2 if bf16 else 1)
+    step_bytes = costs["weight_bytes"] + batch * ctx * kv_bytes
     compute = tok_s * flops / (ceilings["matmul_gflops"] * 1e9)
     memory = tok_s / batch * step_bytes / (ceilings["read_gbs"] * 1e9)
     out = f"ours: {compute * 100:.0f}% of the matmul ceiling, {memory * 100:.0f}% of the read ceiling"
