@@ -102,10 +102,10 @@ AMX_KERNEL void stash(bool two_rows, float c[4][kTile * kTile]) {
 
 }  // namespace
 
-AMX_KERNEL void amx_configure_tiles() {
+AMX_KERNEL void amx_configure_tiles(int upper_rows) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kTile;
+    c.rows[t] = static_cast<uint8_t>(t < 4 ? kTile : upper_rows);
     c.colsb[t] = 64;
   }
   // GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so without this barrier the

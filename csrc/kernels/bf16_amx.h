@@ -22,8 +22,10 @@ namespace deepinfer {
 bool bf16_amx_available();
 
 // Loads the tile configuration of this file's kernel and of paged_attention_bf16.cpp on the
-// calling thread: tiles 0-7 of 16 rows x 64 bytes. Only where bf16_amx_available().
-void amx_configure_tiles();
+// calling thread: tiles 0-3 of 16 rows x 64 bytes, tiles 4-7 of upper_rows (1-16) rows x 64
+// bytes (the attention's value products for a decode token's few rows load and store no
+// more). Only where bf16_amx_available().
+void amx_configure_tiles(int upper_rows = 16);
 
 // y[m, n] for n in [n0, n1) (any bounds) of rounded inputs xb [M16, w.cols] bf16, M16 = M
 // rounded up to 16 with zero rows; w.cols % 32 == 0.

@@ -30,13 +30,13 @@ constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each
 // Both forms' code: only the AMX intrinsics emit AMX instructions, and the vdpbf16ps form uses none.
 #define BF16_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
 
-// 2^x for x <= 0 on 16 lanes: x = n + f with n = round(x), 2^f by a degree-4 polynomial on
+// 2^x for x <= kRescaleGap on 16 lanes: x = n + f with n = round(x), 2^f by a degree-4 polynomial on
 // [-0.5, 0.5] fitted for relative error (at most 2.7e-6 in fp32: the probabilities are rounded
 // to bf16, 2^-9, for the values' product, and the same p makes the numerator and the
 // denominator; Cephes' degree 6, 2e-7, spent two more multiply-adds an exp), times 2^n by
 // vscalefps. The softmax runs in base 2 (scores times scale * log2(e)): about half the
 // instructions of an e^x by ln 2 reduction, and the exps are most of a prefill block's work.
-BF16_TARGET __m512 exp2_nonpositive16(__m512 x) {
+BF16_TARGET __m512 exp2_16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));  // below 2^-126 the result is ~0 either way
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -49,6 +49,13 @@ BF16_TARGET __m512 exp2_nonpositive16(__m512 x) {
 }
 
 constexpr float kLog2e = 1.44269504088896341f;
+
+// A row's running max (base 2) moves only when a block's max passes it by more than this, and
+// then to that block's max: the probabilities stay at most 2^8 (fp32 and bf16 hold them alike),
+// and o and l are rescaled only then. Past a row's first blocks that is rare, which lets a
+// long prefill keep o in the value tiles from block to block (run_tiles_resident). The cost:
+// a row's largest probability is rounded to bf16 like the others, where it used to be 1.
+constexpr float kRescaleGap = 8.f;
 
 // The call, as every unit reads it.
 struct Call {
@@ -208,16 +215,17 @@ BF16_TARGET void gather_values(const Call &c, const Unit &u, int p0, int lo, int
 }
 
 // Scores of the block's 32 positions (rows: positions, lanes: the tile's query rows) on the
-// tiles, its two 16-position halves side by side (C tiles 0 and 1, their K rows in 2 and 4).
+// tiles, its two 16-position halves side by side (C tiles 0 and 1), on tiles 0-3 only: each
+// half's K rows in tile 2 in turn, the queries in 3.
 BF16_TARGET void block_scores(const KvBlock &s, const uint32_t *qt, int D, float st[kKeys][kRows]) {
   _tile_zero(0);
   _tile_zero(1);
   for (int ch = 0; ch < D / 32; ++ch) {
     _tile_loadd(3, qt + ch * 256, 64);
     _tile_loadd(2, s.k_rows[0] + ch * 32, s.k_stride[0]);
-    _tile_loadd(4, s.k_rows[1] + ch * 32, s.k_stride[1]);
     _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 4, 3);
+    _tile_loadd(2, s.k_rows[1] + ch * 32, s.k_stride[1]);
+    _tile_dpbf16ps(1, 2, 3);
   }
   _tile_stored(0, st[0], 64);
   _tile_stored(1, st[16], 64);
@@ -231,8 +239,8 @@ BF16_TARGET __m512i interleave_pairs(__m512i x) {
 }
 
 // The softmax's step over one block for every row of the tile, lane by lane, in base 2 (the
-// scores times scale * log2(e), tl.m in those units): the new max and the rescale factor
-// alpha (exactly 1 for a row whose max did not grow), the denominator (the block's
+// scores times scale * log2(e), tl.m in those units): the new max (kRescaleGap) and the rescale
+// factor alpha (exactly 1 for a row whose max did not move), the denominator (the block's
 // probabilities summed by a fixed halving tree over its 32 positions, as row_softmax sums
 // them), and the probabilities rounded to bf16 as the A tile of the values' product (pa:
 // [row][position], 64 bytes a row). A block inside every row's context (most of a long
@@ -262,12 +270,13 @@ BF16_TARGET __m512 tile_softmax(Tile &tl, int p0, float scale, float st[kKeys][k
     m3 = _mm512_mask_max_ps(m3, valid[i + 3], m3, _mm512_mul_ps(_mm512_load_ps(st[i + 3]), c));
   }
   const __m512 bmax = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
-  const __m512 m_old = _mm512_load_ps(tl.m), m_new = _mm512_max_ps(m_old, bmax);
-  const __mmask16 grew = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
-  const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp2_nonpositive16(_mm512_sub_ps(m_old, m_new)));
+  const __m512 m_old = _mm512_load_ps(tl.m);
+  const __mmask16 grew = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m_old, _mm512_set1_ps(kRescaleGap)), _CMP_GT_OQ);
+  const __m512 m_new = _mm512_mask_blend_ps(grew, m_old, bmax);
+  const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f), exp2_16(_mm512_sub_ps(m_old, m_new)));
   __m512 p[kKeys];
   for (int i = 0; i < kKeys; ++i)
-    p[i] = _mm512_maskz_mov_ps(valid[i], exp2_nonpositive16(_mm512_fmsub_ps(_mm512_load_ps(st[i]), c, m_new)));
+    p[i] = _mm512_maskz_mov_ps(valid[i], exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st[i]), c, m_new)));
   __m512i w[16];
   for (int k = 0; k < kKeys / 2; ++k)  // lane j: row j's pair k
     w[k] = (__m512i)_mm512_cvtne2ps_pbh(p[2 * k + 1], p[2 * k]);
@@ -302,11 +311,13 @@ BF16_TARGET float row_softmax(Tile &tl, int j, int p0, float scale, const __m512
                _mm512_cmple_epi32_mask(_mm512_set1_epi32(tl.start[j]), pos);
     bmax = _mm512_mask_max_ps(bmax, valid[h], bmax, _mm512_mul_ps(s[h], c));
   }
-  const float m_old = tl.m[j], m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
-  const float alpha = m_new > m_old ? _mm512_cvtss_f32(exp2_nonpositive16(_mm512_set1_ps(m_old - m_new))) : 1.f;
+  const float m_old = tl.m[j], block_max = _mm512_reduce_max_ps(bmax);
+  const bool grew = block_max > m_old + kRescaleGap;
+  const float m_new = grew ? block_max : m_old;
+  const float alpha = grew ? _mm512_cvtss_f32(exp2_16(_mm512_set1_ps(m_old - m_new))) : 1.f;
   __m512 p[2];
   for (int h = 0; h < 2; ++h)
-    p[h] = _mm512_maskz_mov_ps(valid[h], exp2_nonpositive16(_mm512_fmsub_ps(s[h], c, _mm512_set1_ps(m_new))));
+    p[h] = _mm512_maskz_mov_ps(valid[h], exp2_16(_mm512_fmsub_ps(s[h], c, _mm512_set1_ps(m_new))));
   _mm512_store_si512(pa + j * 16, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
   __m512 x = _mm512_add_ps(p[0], p[1]);                     // positions i and i + 16
   x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x0E));  // + i + 8
@@ -349,16 +360,17 @@ Ahead next_block(const Call &c, const Unit &u, int p, int lo, int hi, int asks) 
   return a;
 }
 
-// o[row] (from column `o`'s first) = o[row] * alpha[row] + the row of each of `tiles` value
-// tiles stored in ct.
-BF16_TARGET void add_values(const Tile &tl, const float *alpha, const float *ct, float *o, int D, int tiles) {
+// o[row] *= alpha[row] for the tile's rows whose max moved (alpha 1: the row as it is).
+BF16_TARGET void rescale_rows(const Tile &tl, const float *alpha, float *o, int D) {
   for (int j = 0; j < tl.count; ++j) {
+    if (alpha[j] == 1.f) continue;
     const __m512 a = _mm512_set1_ps(alpha[j]);
-    for (int e = 0; e < tiles; ++e) {
-      float *oj = o + j * D + e * 16;
-      _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_loadu_ps(oj), a, _mm512_load_ps(ct + (e * kRows + j) * 16)));
-    }
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + j * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + j * D + d), a));
   }
+}
+
+bool any_moved(const Tile &tl, const float *alpha) {
+  return std::any_of(alpha, alpha + tl.count, [](float a) { return a != 1.f; });
 }
 
 // The block's softmax step for the tile's rows: pa and each row's alpha (rows past the tile's
@@ -378,53 +390,89 @@ BF16_TARGET void block_softmax(const Call &c, Tile &tl, int p0, float st[kKeys][
   }
 }
 
-// One block for one tile: o[row] = o[row] * alpha + P[row] . V, a 16-column value tile at a time.
+// One block for one tile: o[row] = o[row] * alpha + P[row] . V, the products accumulated onto
+// o's rows in C tiles loaded from o and stored back (tiles 4-7 configured with the unit's
+// rows, run_unit), three 16-column value tiles at a time.
 BF16_TARGET void block(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0,
                        Ahead &ahead) {
-  const int D = c.s.head_dim;
+  const int D = c.s.head_dim, stride = D * 4;
   alignas(64) float st[kKeys][kRows];
   alignas(64) uint32_t pa[kRows * 16];
-  alignas(64) float alpha[kRows], ct[4 * kRows * 16];
+  alignas(64) float alpha[kRows];
   ahead.ask();
   block_scores(s, qt, D, st);
   ahead.ask();
   block_softmax(c, tl, p0, st, pa, alpha);
+  rescale_rows(tl, alpha, o, D);
   _tile_loadd(4, pa, 64);
-  // Four value tiles at once (C 6, 7, 0, 1; V rows in 5, 2, 3, then 5 again), then two: the
-  // products overlap, and each store waits on one product's latency, not on a chain of them.
-  int part = 0;
-  for (; part + 4 <= D / 16; part += 4) {
-    _tile_zero(6);
-    _tile_zero(7);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(5, s.vb + part * 16 * 32, 64);
-    _tile_loadd(2, s.vb + (part + 1) * 16 * 32, 64);
-    _tile_loadd(3, s.vb + (part + 2) * 16 * 32, 64);
-    _tile_dpbf16ps(6, 4, 5);
-    _tile_dpbf16ps(7, 4, 2);
-    _tile_dpbf16ps(0, 4, 3);
-    _tile_loadd(5, s.vb + (part + 3) * 16 * 32, 64);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_stored(6, ct, 64);
-    _tile_stored(7, ct + kRows * 16, 64);
-    _tile_stored(0, ct + 2 * kRows * 16, 64);
-    _tile_stored(1, ct + 3 * kRows * 16, 64);
+  // C 5, 6, 7 and V rows in 0, 1, 2: the products overlap, and each store waits on one
+  // product's latency, not on a chain of them.
+  for (int part = 0; part < D / 16; part += 3) {
+    const int n = std::min(3, D / 16 - part);
+    float *op = o + part * 16;
+    const uint16_t *vp = s.vb + part * 16 * 32;
+    _tile_loadd(5, op, stride);
+    _tile_loadd(0, vp, 64);
+    if (n > 1) {
+      _tile_loadd(6, op + 16, stride);
+      _tile_loadd(1, vp + 16 * 32, 64);
+    }
+    if (n > 2) {
+      _tile_loadd(7, op + 32, stride);
+      _tile_loadd(2, vp + 2 * 16 * 32, 64);
+    }
+    _tile_dpbf16ps(5, 4, 0);
+    if (n > 1) _tile_dpbf16ps(6, 4, 1);
+    if (n > 2) _tile_dpbf16ps(7, 4, 2);
+    _tile_stored(5, op, stride);
+    if (n > 1) _tile_stored(6, op + 16, stride);
+    if (n > 2) _tile_stored(7, op + 32, stride);
     ahead.ask();
-    add_values(tl, alpha, ct, o + part * 16, D, 4);
   }
-  if (part < D / 16) {
-    _tile_zero(6);
-    _tile_zero(7);
-    _tile_loadd(5, s.vb + part * 16 * 32, 64);
-    _tile_loadd(2, s.vb + (part + 1) * 16 * 32, 64);
-    _tile_dpbf16ps(6, 4, 5);
-    _tile_dpbf16ps(7, 4, 2);
-    _tile_stored(6, ct, 64);
-    _tile_stored(7, ct + kRows * 16, 64);
-    ahead.ask();
-    add_values(tl, alpha, ct, o + part * 16, D, 2);
+}
+
+// o's value tiles (D / 16 of them: D <= 64) in C tiles 4-7, and back.
+BF16_TARGET void load_o(const float *o, int D) {
+  _tile_loadd(4, o, D * 4);
+  _tile_loadd(5, o + 16, D * 4);
+  if (D / 16 < 4) return;
+  _tile_loadd(6, o + 32, D * 4);
+  _tile_loadd(7, o + 48, D * 4);
+}
+
+BF16_TARGET void store_o(float *o, int D) {
+  _tile_stored(4, o, D * 4);
+  _tile_stored(5, o + 16, D * 4);
+  if (D / 16 < 4) return;
+  _tile_stored(6, o + 32, D * 4);
+  _tile_stored(7, o + 48, D * 4);
+}
+
+// block() with o held in C tiles 4-7 from block to block (D <= 64): stored, rescaled and
+// reloaded only where a row's max moved, else the block's products add straight onto it. The
+// same products on the same floats as block(), without its loads and stores of o.
+BF16_TARGET void block_resident(const Call &c, const KvBlock &s, Tile &tl, const uint32_t *qt, float *o, int p0) {
+  const int D = c.s.head_dim;
+  alignas(64) float st[kKeys][kRows];
+  alignas(64) uint32_t pa[kRows * 16];
+  alignas(64) float alpha[kRows];
+  block_scores(s, qt, D, st);
+  block_softmax(c, tl, p0, st, pa, alpha);
+  if (any_moved(tl, alpha)) {
+    store_o(o, D);
+    rescale_rows(tl, alpha, o, D);
+    load_o(o, D);
   }
+  _tile_loadd(0, pa, 64);
+  _tile_loadd(1, s.vb, 64);
+  _tile_loadd(2, s.vb + 16 * 32, 64);
+  _tile_dpbf16ps(4, 0, 1);
+  _tile_dpbf16ps(5, 0, 2);
+  if (D / 16 < 4) return;
+  _tile_loadd(3, s.vb + 2 * 16 * 32, 64);
+  _tile_dpbf16ps(6, 0, 3);
+  _tile_loadd(1, s.vb + 3 * 16 * 32, 64);
+  _tile_dpbf16ps(7, 0, 1);
 }
 
 // block_scores without tiles: st[p][row] is one vdpbf16ps chain, from zero, over the head's D / 2
@@ -579,20 +627,11 @@ BF16_TARGET void finish_tile(const Call &c, const Tile &tl, const float *o) {
   }
 }
 
-BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
-  const int D = c.s.head_dim, per_head = (u.end - u.begin + kRows - 1) / kRows, n_tiles = u.kv_count * per_head;
-  s.tiles.resize(n_tiles);
-  s.o.resize(static_cast<size_t>(n_tiles) * kRows * D);
-  s.qt.resize(static_cast<size_t>(n_tiles) * 8 * D);
+// Block by block, each gathered block taken by every tile whose rows see it (block() or
+// block_dot()), the next block's K and V asked for meanwhile.
+BF16_TARGET void run_blocks(const Call &c, const Unit &u, Scratch &s, int per_head, int lo, int hi) {
+  const int D = c.s.head_dim, n_tiles = static_cast<int>(s.tiles.size());
   s.kv.resize(u.kv_count);
-  int lo = INT_MAX, hi = 0;
-  for (int k = 0; k < n_tiles; ++k) {
-    start_tile(c, u, u.kv_first + k / per_head, u.begin + (k % per_head) * kRows, s.tiles[k],
-               s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D);
-    lo = std::min(lo, s.tiles[k].lo);
-    hi = std::max(hi, s.tiles[k].hi);
-  }
-  if (c.amx) amx_configure_tiles();
   for (int p0 = lo / kKeys * kKeys; p0 < hi; p0 += kKeys) {
     gather_values(c, u, p0, lo, hi, s.kv.data());
     for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, p0, lo, hi, s.kv[h]);
@@ -600,7 +639,7 @@ BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
     auto touches = [&](int k) { return p0 < s.tiles[k].hi && p0 + kKeys > s.tiles[k].lo; };
     int active = 0;
     for (int k = 0; k < n_tiles; ++k) active += touches(k);
-    Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + (D + 63) / 64));  // block()'s asks
+    Ahead ahead = next_block(c, u, p0 + kKeys, lo, hi, active * (2 + (D / 16 + 2) / 3));  // block()'s asks
     for (int k = 0; k < n_tiles; ++k) {
       if (!touches(k)) continue;
       const uint32_t *qt = s.qt.data() + k * 8 * D;
@@ -611,6 +650,49 @@ BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
         block_dot(c, s.kv[k / per_head], s.tiles[k], qt, o, p0, ahead);
     }
   }
+}
+
+// Tile by tile, each over every block its rows see with o resident in the value tiles
+// (block_resident; AMX, D <= 64): the unit's blocks gathered first, for all its tiles.
+BF16_TARGET void run_tiles_resident(const Call &c, const Unit &u, Scratch &s, int per_head, int lo, int hi) {
+  const int D = c.s.head_dim, first = lo / kKeys, blocks = (hi + kKeys - 1) / kKeys - first;
+  s.kv.resize(static_cast<size_t>(blocks) * u.kv_count);
+  for (int b = 0; b < blocks; ++b) {
+    KvBlock *kv = s.kv.data() + static_cast<size_t>(b) * u.kv_count;
+    gather_values(c, u, (first + b) * kKeys, lo, hi, kv);
+    for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, (first + b) * kKeys, lo, hi, kv[h]);
+  }
+  for (size_t k = 0; k < s.tiles.size(); ++k) {
+    Tile &tl = s.tiles[k];
+    const uint32_t *qt = s.qt.data() + k * 8 * D;
+    float *o = s.o.data() + k * kRows * D;
+    load_o(o, D);  // zeros (start_tile)
+    for (int p0 = tl.lo / kKeys * kKeys; p0 < tl.hi; p0 += kKeys)
+      block_resident(c, s.kv[static_cast<size_t>(p0 / kKeys - first) * u.kv_count + k / per_head], tl, qt, o, p0);
+    store_o(o, D);
+  }
+}
+
+BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
+  const int D = c.s.head_dim, per_head = (u.end - u.begin + kRows - 1) / kRows, n_tiles = u.kv_count * per_head;
+  s.tiles.resize(n_tiles);
+  s.o.resize(static_cast<size_t>(n_tiles) * kRows * D);
+  s.qt.resize(static_cast<size_t>(n_tiles) * 8 * D);
+  int lo = INT_MAX, hi = 0, rows = 1;
+  for (int k = 0; k < n_tiles; ++k) {
+    start_tile(c, u, u.kv_first + k / per_head, u.begin + (k % per_head) * kRows, s.tiles[k],
+               s.qt.data() + k * 8 * D, s.o.data() + k * kRows * D);
+    lo = std::min(lo, s.tiles[k].lo);
+    hi = std::max(hi, s.tiles[k].hi);
+    rows = std::max(rows, s.tiles[k].count);
+  }
+  if (c.amx) amx_configure_tiles(rows);
+  // A prefill's spans (a tile and more a KV head) keep o in tiles; a decode token's tile of
+  // few rows takes every block as it is gathered, its K and V read once from the cache.
+  if (c.amx && D <= 64 && per_head > 1)
+    run_tiles_resident(c, u, s, per_head, lo, hi);
+  else
+    run_blocks(c, u, s, per_head, lo, hi);
   if (c.amx) _tile_release();
   for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);
 }

@@ -19,9 +19,10 @@ from deepinfer_dp import _C
 pytestmark = pytest.mark.skipif(not _C.bf16_attention_form(64), reason="needs AMX-BF16 or AVX512-BF16")
 
 
-def make_case(seq_lens, heads, kv_heads, head_dim, block_size, seed=0):
+def make_case(seq_lens, heads, kv_heads, head_dim, block_size, seed=0, jumps=()):
     """bf16 caches (unused slots NaN), a shuffled block table, and every position of every
-    sequence as a query (rows, context lengths, q)."""
+    sequence as a query (rows, context lengths, q). Keys at the positions in `jumps` are 16x
+    larger: the scores of the rows that see them jump."""
     gen = torch.Generator().manual_seed(seed)
     blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * blocks + 2
@@ -31,6 +32,8 @@ def make_case(seq_lens, heads, kv_heads, head_dim, block_size, seed=0):
     for s, n in enumerate(seq_lens):
         flat_k, flat_v = k[table[s]].flatten(0, 1), v[table[s]].flatten(0, 1)
         flat_k[:n] = torch.randn(n, kv_heads, head_dim, generator=gen)
+        for p in jumps:
+            flat_k[p] *= 16
         flat_v[:n] = torch.randn(n, kv_heads, head_dim, generator=gen)
         k[table[s]], v[table[s]] = flat_k.unflatten(0, (blocks, block_size)), flat_v.unflatten(0, (blocks, block_size))
     rows = np.concatenate([np.full(n, s) for s, n in enumerate(seq_lens)]).astype(np.int32)
@@ -91,6 +94,22 @@ def test_decode_rows_equal_the_same_queries_in_a_prefill(heads, kv_heads, head_d
     decode = attend(q[last], caches, table, None, lens[last])
     assert np.array_equal(decode, here[last])
     assert np.array_equal(attend(q[last], caches, table, None, lens[last], threads=1), decode)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES[:2])
+def test_scores_that_jump_in_a_later_block_rescale_the_sums_before_it(heads, kv_heads, head_dim, block_size):
+    """A row's running max may lag its scores by 8 doublings before o and l are rescaled; keys
+    16x larger at positions 40 and 100 make rows past them jump far more than that after their
+    first blocks. Prefill rows (o held in the tiles where the head size allows) and decode rows
+    (o in memory) rescale alike, and stay close to fp32 arithmetic."""
+    seq_lens = [150, 70]
+    q, caches, table, rows, lens = make_case(seq_lens, heads, kv_heads, head_dim, block_size, seed=4, jumps=(40, 100))
+    here = attend(q, caches, table, rows, lens)
+    rounded = torch.from_numpy(q).bfloat16().float().numpy()
+    want = attend(rounded, caches, table, rows, lens, bf16_math=False)
+    assert np.linalg.norm(here - want) / np.linalg.norm(want) < 5e-3
+    last = np.cumsum(seq_lens) - 1
+    assert np.array_equal(attend(q[last], caches, table, None, lens[last]), here[last])
 
 
 def test_an_fp32_cache_keeps_fp32_arithmetic():
