@@ -26,6 +26,7 @@ constexpr int kRows = 16;       // query rows of a tile: a query token and one o
 constexpr int kKeys = 32;       // positions of a block: two 16-key score tiles, one 32-deep value product
 constexpr int kMaxDim = 256;
 constexpr int kGroupTiles = 8;  // tiles of one KV head and span that share each gathered block
+constexpr int kResidentGroupTiles = 32;  // the same where o stays in the tiles (unit_rows)
 
 // Both forms' code: only the AMX intrinsics emit AMX instructions, and the vdpbf16ps form uses none.
 #define BF16_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma")))
@@ -697,13 +698,24 @@ BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
   for (int k = 0; k < n_tiles; ++k) finish_tile(c, s.tiles[k], s.o.data() + k * kRows * D);
 }
 
+// The most rows of one KV head a unit takes: kGroupTiles tiles; where a prefill keeps o in the
+// tiles (run_tiles_resident: AMX, D <= 64) and each tile reads the unit's gathered blocks from
+// L2 rather than from L1, up to kResidentGroupTiles, so that fewer units gather the same
+// blocks, while the call still makes 4 units a thread.
+int unit_rows(const Call &c, int threads) {
+  const int most = kGroupTiles * kRows;
+  if (!c.amx || c.s.head_dim > 64) return most;
+  const int64_t fit = static_cast<int64_t>(c.s.num_queries) * c.s.num_heads / (4 * threads) / kRows * kRows;
+  return static_cast<int>(std::clamp<int64_t>(fit, most, kResidentGroupTiles * kRows));
+}
+
 // Spans of consecutive queries of one block-table row, cut into units: a span of one tile a
 // KV head (a decode token) takes all its KV heads in one unit when the call has spans enough
 // for the threads, so that each cache block is read whole rather than as one head's strided
-// rows; else each KV head's rows go in units of up to kGroupTiles tiles. The costliest first,
-// so that the threads finish together.
+// rows; else each KV head's rows go in units of up to unit_rows rows. The costliest first, so
+// that the threads finish together.
 std::vector<Unit> make_units(const Call &c, int threads) {
-  const int G = c.s.num_heads / c.s.num_kv_heads, most = kGroupTiles * kRows;
+  const int G = c.s.num_heads / c.s.num_kv_heads, most = unit_rows(c, threads);
   const std::vector<QuerySpan> spans = query_spans(c.rows, c.s.num_queries, INT_MAX);
   const bool whole_blocks = static_cast<int>(spans.size()) >= 2 * threads;
   std::vector<Unit> units;
