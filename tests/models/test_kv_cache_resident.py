@@ -1,5 +1,7 @@
 """The CPU KV cache is resident when it is handed out (utils/cpu_malloc.py resident_zeros): no
-page of it is faulted in inside a decode step, and it reads as zeros."""
+page of it is faulted in inside a decode step, it reads as zeros, and it starts on a page
+boundary (glibc puts a large block 16 bytes past one, and every K/V row then straddles cache
+lines)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,18 @@ def test_plain_zeros_are_not_resident_yet():
 def test_resident_zeros_are_resident_and_zero(dtype):
     a = cpu_malloc.resident_zeros((3, 8 << 20), dtype)
     assert a.shape == (3, 8 << 20) and a.dtype == dtype
+    assert a.ctypes.data % PAGE == 0
     assert resident_share(a) == 1.0
+    assert not a.any()
+
+
+def test_resident_zeros_of_an_odd_size_start_on_a_page_and_are_zero():
+    """A size that is no whole number of pages, from the heap rather than a mapping of its own
+    (where a recycled block holds old bytes): still a page boundary, still zeros."""
+    junk = np.full(3 << 20, 7, dtype=np.uint8)
+    del junk
+    a = cpu_malloc.resident_zeros((1000, 3, 7), np.float32)
+    assert a.ctypes.data % PAGE == 0 and a.shape == (1000, 3, 7)
     assert not a.any()
 
 
@@ -54,5 +67,6 @@ def test_the_kv_cache_is_resident(dtype):
     for k, v in caches:
         assert k.dtype == dtype and v.dtype == dtype
         for t in (k, v):
+            assert t.data_ptr() % 64 == 0
             assert resident_share(t.view(torch.uint8).numpy()) == 1.0
             assert not t.view(torch.uint8).any()
