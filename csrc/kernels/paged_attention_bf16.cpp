@@ -539,8 +539,8 @@ BF16_TARGET void transpose_keys(const KvBlock &s, int D, uint32_t *kt) {
   }
 }
 
-// block_scores_dot's floats for the tile's first kRowsN rows, lanes: positions. The same chains: each pair's two products are exact, so which
-// operand holds the query does not change a sum.
+// block_scores_dot's floats for the tile's first kRowsN rows, lanes: positions. The same chains:
+// each pair's two products are exact, so which operand holds the query does not change a sum.
 template <int kRowsN>
 BF16_TARGET void few_scores_dot(const uint32_t *kt, const uint32_t *qt, int D, __m512 s[kFewRows][2]) {
   __m512 acc[kRowsN][2];
@@ -661,7 +661,8 @@ BF16_TARGET void run_tiles_resident(const Call &c, const Unit &u, Scratch &s, in
   for (int b = 0; b < blocks; ++b) {
     KvBlock *kv = s.kv.data() + static_cast<size_t>(b) * u.kv_count;
     gather_values(c, u, (first + b) * kKeys, lo, hi, kv);
-    for (int h = 0; h < u.kv_count; ++h) gather_keys(c, u.table_row, u.kv_first + h, (first + b) * kKeys, lo, hi, kv[h]);
+    for (int h = 0; h < u.kv_count; ++h)
+      gather_keys(c, u.table_row, u.kv_first + h, (first + b) * kKeys, lo, hi, kv[h]);
   }
   for (size_t k = 0; k < s.tiles.size(); ++k) {
     Tile &tl = s.tiles[k];
