@@ -653,6 +653,9 @@ BF16_TARGET void run_blocks(const Call &c, const Unit &u, Scratch &s, int per_he
   }
 }
 
+// Whether a tile's o fits the four C tiles 4-7 (AMX, D <= 64): run_tiles_resident's form.
+bool o_fits_tiles(const Call &c) { return c.amx && c.s.head_dim <= 64; }
+
 // Tile by tile, each over every block its rows see with o resident in the value tiles
 // (block_resident; AMX, D <= 64): the unit's blocks gathered first, for all its tiles.
 BF16_TARGET void run_tiles_resident(const Call &c, const Unit &u, Scratch &s, int per_head, int lo, int hi) {
@@ -689,9 +692,9 @@ BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
     rows = std::max(rows, s.tiles[k].count);
   }
   if (c.amx) amx_configure_tiles(rows);
-  // A prefill's spans (a tile and more a KV head) keep o in tiles; a decode token's tile of
+  // A prefill's span (more than a tile a KV head) keeps o in tiles; a decode token's tile of
   // few rows takes every block as it is gathered, its K and V read once from the cache.
-  if (c.amx && D <= 64 && per_head > 1)
+  if (o_fits_tiles(c) && per_head > 1)
     run_tiles_resident(c, u, s, per_head, lo, hi);
   else
     run_blocks(c, u, s, per_head, lo, hi);
@@ -700,12 +703,12 @@ BF16_TARGET void run_unit(const Call &c, const Unit &u, Scratch &s) {
 }
 
 // The most rows of one KV head a unit takes: kGroupTiles tiles; where a prefill keeps o in the
-// tiles (run_tiles_resident: AMX, D <= 64) and each tile reads the unit's gathered blocks from
+// tiles (o_fits_tiles) and each tile reads the unit's gathered blocks from
 // L2 rather than from L1, up to kResidentGroupTiles, so that fewer units gather the same
 // blocks, while the call still makes 4 units a thread.
 int unit_rows(const Call &c, int threads) {
   const int most = kGroupTiles * kRows;
-  if (!c.amx || c.s.head_dim > 64) return most;
+  if (!o_fits_tiles(c)) return most;
   const int64_t fit = static_cast<int64_t>(c.s.num_queries) * c.s.num_heads / (4 * threads) / kRows * kRows;
   return static_cast<int>(std::clamp<int64_t>(fit, most, kResidentGroupTiles * kRows));
 }
