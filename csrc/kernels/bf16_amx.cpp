@@ -23,6 +23,7 @@ namespace {
 constexpr int kTile = 16;                   // rows of a tile, and fp32 columns of a C tile
 constexpr int kTileK = 32;                  // bf16 values along K in one A row / B tile
 constexpr int kRowsAhead = 64;              // output rows asked for ahead of the tiles (ask_for_rows)
+constexpr int kChunkBytes = 512 << 10;      // weight bytes a chunk of blocks holds (chunk_blocks)
 constexpr long kReqXcompPerm = 0x1023;      // arch_prctl: ask for an XSAVE feature's state
 constexpr long kXfeatureXtiledata = 18;     // AMX's tile data
 
@@ -52,6 +53,9 @@ AMX_KERNEL void store(const float *c, const float *bias, float *y, int N, int M,
 // The products of row tiles [m, m + 32) (the second may lie past M: zeros) x blocks b0, b1
 // in C tiles 0-3: (first rows, b0), (first rows, b1), (second rows, b0), (second rows, b1).
 // Returns whether the second row tile holds rows below M (else it was not computed).
+// The B tiles are loaded with the streaming hint: each is used by this row pair only before
+// the chunk's other blocks pass, and kept out of L1 they leave it to the row pair's A tiles,
+// which every block of the chunk reads again.
 AMX_KERNEL bool two_by_two(const uint16_t *xb, const PackedMatrix &w, int M, int m, int b0, int b1) {
   const int K = w.cols;
   const size_t stride = static_cast<size_t>(K) * kTile;  // uint16 values per block
@@ -65,8 +69,8 @@ AMX_KERNEL bool two_by_two(const uint16_t *xb, const PackedMatrix &w, int M, int
   _tile_zero(3);
   for (int k = 0; k < K; k += kTileK) {
     _tile_loadd(4, x0 + k, K * 2);
-    _tile_loadd(6, w0 + static_cast<size_t>(k) * kTile, 64);
-    _tile_loadd(7, w1 + static_cast<size_t>(k) * kTile, 64);
+    _tile_stream_loadd(6, w0 + static_cast<size_t>(k) * kTile, 64);
+    _tile_stream_loadd(7, w1 + static_cast<size_t>(k) * kTile, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two_rows) {
@@ -76,6 +80,15 @@ AMX_KERNEL bool two_by_two(const uint16_t *xb, const PackedMatrix &w, int M, int
     }
   }
   return two_rows;
+}
+
+// Blocks of 16 weight rows a chunk takes: about kChunkBytes of the matrix, in pairs. The
+// chunk stays in L2 while every row pair runs against all of it; a row pair's A tiles (up to
+// 36 KB at 576 columns) stay in L1 meanwhile. Block-major over all rows instead read both
+// operands from L2 at every step: 4 tiles of 16 lines each for 4 tile products.
+int chunk_blocks(int K) {
+  const int per_block = K * kTile * 2;
+  return std::max(2, kChunkBytes / per_block / 2 * 2);
 }
 
 // The output lines that row pair m's whole tiles of blocks b, b + 1 will be stored into, asked
@@ -126,35 +139,66 @@ bool bf16_amx_available() {
   return ok;
 }
 
+namespace {
+
+// Row pair m against blocks b, b1 (b1 == b: one block) into y's columns [n0, n1) (+ bias).
+AMX_KERNEL void row_pair_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M, int m,
+                                 int b, int b1, int n0, int n1) {
+  // Whole tiles without a bias leave the tiles straight into y: through c and 16-lane stores,
+  // the output's cache misses stalled the product about a fifth longer.
+  const bool whole_columns = !bias && b1 == b + 1 && b * kTile >= n0 && (b1 + 1) * kTile <= n1;
+  if (whole_columns && m + kRowsAhead + 2 * kTile <= M) ask_for_rows(y, w.rows, m + kRowsAhead, b);
+  const bool two_rows = two_by_two(xb, w, M, m, b, b1);
+  if (whole_columns && m + 2 * kTile <= M) {
+    float *y0 = y + static_cast<size_t>(m) * w.rows + b * kTile, *y1 = y0 + static_cast<size_t>(kTile) * w.rows;
+    _tile_stored(0, y0, w.rows * 4);
+    _tile_stored(1, y0 + kTile, w.rows * 4);
+    _tile_stored(2, y1, w.rows * 4);
+    _tile_stored(3, y1 + kTile, w.rows * 4);
+    return;
+  }
+  alignas(64) float c[4][kTile * kTile];
+  stash(two_rows, c);
+  store(c[0], bias, y, w.rows, M, m, b * kTile, n0, n1);
+  if (b1 != b) store(c[1], bias, y, w.rows, M, m, b1 * kTile, n0, n1);
+  if (two_rows) {
+    store(c[2], bias, y, w.rows, M, m + kTile, b * kTile, n0, n1);
+    if (b1 != b) store(c[3], bias, y, w.rows, M, m + kTile, b1 * kTile, n0, n1);
+  }
+}
+
+// Row pair m's gated outputs of gate block b (and its up block, I / 16 blocks on) into out
+// or out_b, rows [m, min(m + 32, M)).
+AMX_KERNEL void row_pair_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int m,
+                               int b, GatedActivation act) {
+  const int I = w.rows / 2;
+  alignas(64) float c[4][kTile * kTile], h[kTile * kTile];
+  const bool two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
+  stash(two_rows, c);
+  for (int t = 0; t < (two_rows ? 2 : 1); ++t) {
+    act(c[2 * t], c[2 * t + 1], h, kTile * kTile);
+    const int first = m + t * kTile;
+    for (int r = first; r < std::min(first + kTile, M); ++r) {
+      const __m512 v = _mm512_load_ps(h + (r - first) * kTile);
+      const size_t at = static_cast<size_t>(r) * I + b * kTile;
+      if (out_b)
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out_b + at), bf16_round16(v));
+      else
+        _mm512_storeu_ps(out + at, v);
+    }
+  }
+}
+
+}  // namespace
+
 AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, const float *bias, float *y, int M,
                                  int n0, int n1) {
   amx_configure_tiles();  // tiles 0-3: C (2 row tiles x 2 blocks); 4-5: A (the row tiles); 6-7: B (the blocks)
-  const int first = n0 / kTile, end = (n1 + kTile - 1) / kTile;
-  alignas(64) float c[4][kTile * kTile];
-  for (int b = first; b < end; b += 2) {  // two blocks' B tiles stay in L1 over all the rows
-    const int b1 = std::min(b + 1, end - 1);
-    // Whole tiles without a bias leave the tiles straight into y: through c and 16-lane stores,
-    // the output's cache misses stalled the product about a fifth longer.
-    const bool whole_columns = !bias && b1 == b + 1 && b * kTile >= n0 && (b1 + 1) * kTile <= n1;
-    for (int m = 0; m < M; m += 2 * kTile) {
-      if (whole_columns && m + kRowsAhead + 2 * kTile <= M) ask_for_rows(y, w.rows, m + kRowsAhead, b);
-      const bool two_rows = two_by_two(xb, w, M, m, b, b1);
-      if (whole_columns && m + 2 * kTile <= M) {
-        float *y0 = y + static_cast<size_t>(m) * w.rows + b * kTile, *y1 = y0 + static_cast<size_t>(kTile) * w.rows;
-        _tile_stored(0, y0, w.rows * 4);
-        _tile_stored(1, y0 + kTile, w.rows * 4);
-        _tile_stored(2, y1, w.rows * 4);
-        _tile_stored(3, y1 + kTile, w.rows * 4);
-        continue;
-      }
-      stash(two_rows, c);
-      store(c[0], bias, y, w.rows, M, m, b * kTile, n0, n1);
-      if (b1 != b) store(c[1], bias, y, w.rows, M, m, b1 * kTile, n0, n1);
-      if (two_rows) {
-        store(c[2], bias, y, w.rows, M, m + kTile, b * kTile, n0, n1);
-        if (b1 != b) store(c[3], bias, y, w.rows, M, m + kTile, b1 * kTile, n0, n1);
-      }
-    }
+  const int first = n0 / kTile, end = (n1 + kTile - 1) / kTile, chunk = chunk_blocks(w.cols);
+  for (int c0 = first; c0 < end; c0 += chunk) {
+    const int c1 = std::min(end, c0 + chunk);
+    for (int m = 0; m < M; m += 2 * kTile)
+      for (int b = c0; b < c1; b += 2) row_pair_columns(xb, w, bias, y, M, m, b, std::min(b + 1, c1 - 1), n0, n1);
   }
   _tile_release();
 }
@@ -162,25 +206,11 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
 AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M,
                                int j0, int j1, GatedActivation act) {
   amx_configure_tiles();
-  const int I = w.rows / 2;
-  alignas(64) float c[4][kTile * kTile], h[kTile * kTile];
-  for (int b = j0 / kTile; b < j1 / kTile; ++b) {  // gate block b and its up block side by side
-    for (int m = 0; m < M; m += 2 * kTile) {
-      const bool two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
-      stash(two_rows, c);
-      for (int t = 0; t < (two_rows ? 2 : 1); ++t) {
-        act(c[2 * t], c[2 * t + 1], h, kTile * kTile);
-        const int first = m + t * kTile;
-        for (int r = first; r < std::min(first + kTile, M); ++r) {
-          const __m512 v = _mm512_load_ps(h + (r - first) * kTile);
-          const size_t at = static_cast<size_t>(r) * I + b * kTile;
-          if (out_b)
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(out_b + at), bf16_round16(v));
-          else
-            _mm512_storeu_ps(out + at, v);
-        }
-      }
-    }
+  const int first = j0 / kTile, end = j1 / kTile, chunk = chunk_blocks(w.cols) / 2;  // a gate block and its up block
+  for (int c0 = first; c0 < end; c0 += chunk) {
+    const int c1 = std::min(end, c0 + chunk);
+    for (int m = 0; m < M; m += 2 * kTile)
+      for (int b = c0; b < c1; ++b) row_pair_gated(xb, w, out, out_b, M, m, b, act);
   }
   _tile_release();
 }

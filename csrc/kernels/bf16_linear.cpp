@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bf16_amx.h"
+#include "line_vector.h"
 #include "packed_linear_avx512.h"
 #include "rows_ahead.h"
 
@@ -350,7 +351,7 @@ void bf16_round_rows(const float *x, int M, int cols, uint16_t *out) {
 void bf16_pairs_columns(const float *x, const PackedMatrix &w, const float *bias, float *y, int M, int n_begin,
                         int n_end, Bf16DotPath path, SideLines *side) {
   if (M <= 0 || n_begin >= n_end) return;
-  thread_local std::vector<uint16_t> xb;  // the rounded inputs, kept between calls
+  thread_local LineVector<uint16_t> xb;  // the rounded inputs, kept between calls
   const bool amx = bf16_amx_multiplies(w, path);
   const size_t K = w.cols, rows = amx ? bf16_rows_padded(M) : M;
   xb.resize(rows * K);

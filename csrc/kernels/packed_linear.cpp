@@ -8,6 +8,7 @@
 #include "bf16_amx.h"
 #include "bf16_linear.h"
 #include "cpu_linear.h"
+#include "line_vector.h"
 #include "packed_blocks.h"
 #include "packed_blocks_kquant.h"
 #include "packed_linear_avx512.h"
@@ -214,7 +215,7 @@ void threaded_rows(const PackedMatrix &w, int threads, const SideShare &side,
 // x [M, K] rounded to bf16 into the calling thread's reused buffer, its rows split among the
 // threads (each thread of a product rounding all of them would repeat the work).
 const uint16_t *rounded_rows(const float *x, int M, int K, int threads) {
-  thread_local std::vector<uint16_t> xb;  // (the workers' own `xb` in bf16_linear.cpp are other vectors)
+  thread_local LineVector<uint16_t> xb;  // (the workers' own `xb` in bf16_linear.cpp are other vectors)
   xb.resize(static_cast<size_t>(M) * K);
   uint16_t *rounded = xb.data();
   split_rows(M, threads, [&](int begin, int end) {
@@ -231,7 +232,7 @@ void whole_tile_blocks(const uint16_t *xb, int M, int K, int block,
   const int whole = M / 16 * 16;
   for (int m = 0; m < whole; m += block) fn(xb + static_cast<size_t>(m) * K, m, std::min(block, whole - m));
   if (whole == M) return;
-  thread_local std::vector<uint16_t> tail;
+  thread_local LineVector<uint16_t> tail;
   tail.assign(static_cast<size_t>(16) * K, uint16_t{0});
   std::copy(xb + static_cast<size_t>(whole) * K, xb + static_cast<size_t>(M) * K, tail.begin());
   fn(tail.data(), whole, M - whole);

@@ -119,6 +119,23 @@ def test_amx_is_close_to_the_reference_and_deterministic(m):
 
 
 @pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_chunks_of_columns_give_each_block_its_own_floats(with_bias):
+    """A thread takes its columns in chunks of about 512 KB of weights (28 blocks of 16 at 576
+    columns), every row pair against a whole chunk: 65 blocks make two whole chunks and one of
+    9, an odd count. Each 16-row block's outputs equal that block multiplied alone, at any
+    thread split and with rows past a whole tile."""
+    g = torch.Generator().manual_seed(21)
+    x, w = torch.randn(45, 576, generator=g), torch.randn(65 * 16, 576, generator=g) * 0.1
+    b = torch.randn(65 * 16, generator=g) if with_bias else None
+    data = pairs(w)
+    want = np.concatenate([run(x, data[i:i + 16], None if b is None else b[i:i + 16], path="amx")
+                           for i in range(0, 65 * 16, 16)], axis=1)
+    for threads in (1, 2, 3):
+        assert np.array_equal(run(x, data, b, threads, path="amx"), want), threads
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU")
 def test_amx_leaves_columns_not_a_multiple_of_32_to_the_next_path():
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(3, 48, generator=g), torch.randn(32, 48, generator=g)
