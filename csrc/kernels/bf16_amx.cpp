@@ -167,20 +167,22 @@ AMX_KERNEL void row_pair_columns(const uint16_t *xb, const PackedMatrix &w, cons
   }
 }
 
-// Row pair m's gated outputs of gate block b (and its up block, I / 16 blocks on) into out
-// or out_b, rows [m, min(m + 32, M)).
-AMX_KERNEL void row_pair_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M, int m,
-                               int b, GatedActivation act) {
-  const int I = w.rows / 2;
-  alignas(64) float c[4][kTile * kTile], h[kTile * kTile];
-  const bool two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
-  stash(two_rows, c);
-  for (int t = 0; t < (two_rows ? 2 : 1); ++t) {
-    act(c[2 * t], c[2 * t + 1], h, kTile * kTile);
-    const int first = m + t * kTile;
+// A row pair's gate and up products (two_by_two's C tiles, stashed) for gate block b.
+struct GatedTiles {
+  alignas(64) float c[4][kTile * kTile];
+  int m = -1, b = 0;
+  bool two_rows = false;
+};
+
+// The activation of g's products into out or out_b, rows [g.m, min(g.m + 32, M)).
+AMX_KERNEL void finish_gated(const GatedTiles &g, int I, float *out, uint16_t *out_b, int M, GatedActivation act) {
+  alignas(64) float h[kTile * kTile];
+  for (int t = 0; t < (g.two_rows ? 2 : 1); ++t) {
+    act(g.c[2 * t], g.c[2 * t + 1], h, kTile * kTile);
+    const int first = g.m + t * kTile;
     for (int r = first; r < std::min(first + kTile, M); ++r) {
       const __m512 v = _mm512_load_ps(h + (r - first) * kTile);
-      const size_t at = static_cast<size_t>(r) * I + b * kTile;
+      const size_t at = static_cast<size_t>(r) * I + g.b * kTile;
       if (out_b)
         _mm256_storeu_si256(reinterpret_cast<__m256i *>(out_b + at), bf16_round16(v));
       else
@@ -206,12 +208,25 @@ AMX_KERNEL void bf16_amx_columns(const uint16_t *xb, const PackedMatrix &w, cons
 AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float *out, uint16_t *out_b, int M,
                                int j0, int j1, GatedActivation act) {
   amx_configure_tiles();
-  const int first = j0 / kTile, end = j1 / kTile, chunk = chunk_blocks(w.cols) / 2;  // a gate block and its up block
+  const int I = w.rows / 2, first = j0 / kTile, end = j1 / kTile;
+  const int chunk = chunk_blocks(w.cols) / 2;  // a gate block and its up block
+  // Each row pair's activation runs after the next pair's tile products are issued: the vector
+  // units work on it while the tiles multiply, where in turn each waited on the other.
+  GatedTiles tiles[2];
+  int next = 0;
   for (int c0 = first; c0 < end; c0 += chunk) {
     const int c1 = std::min(end, c0 + chunk);
     for (int m = 0; m < M; m += 2 * kTile)
-      for (int b = c0; b < c1; ++b) row_pair_gated(xb, w, out, out_b, M, m, b, act);
+      for (int b = c0; b < c1; ++b) {
+        GatedTiles &now = tiles[next], &before = tiles[next ^ 1];
+        now.two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
+        if (before.m >= 0) finish_gated(before, I, out, out_b, M, act);
+        stash(now.two_rows, now.c);
+        now.m = m, now.b = b, before.m = -1;
+        next ^= 1;
+      }
   }
+  if (tiles[next ^ 1].m >= 0) finish_gated(tiles[next ^ 1], I, out, out_b, M, act);
   _tile_release();
 }
 #else
