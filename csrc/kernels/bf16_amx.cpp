@@ -53,9 +53,9 @@ AMX_KERNEL void store(const float *c, const float *bias, float *y, int N, int M,
 // The products of row tiles [m, m + 32) (the second may lie past M: zeros) x blocks b0, b1
 // in C tiles 0-3: (first rows, b0), (first rows, b1), (second rows, b0), (second rows, b1).
 // Returns whether the second row tile holds rows below M (else it was not computed).
-// The B tiles are loaded with the streaming hint: each is used by this row pair only before
-// the chunk's other blocks pass, and kept out of L1 they leave it to the row pair's A tiles,
-// which every block of the chunk reads again.
+// The B tiles are loaded with the streaming hint: a row pair reads each once, and the chunk's
+// other blocks pass before the next pair reads it again (from L2). Kept out of L1, they leave
+// it to the row pair's A tiles, which every block of the chunk reads again.
 AMX_KERNEL bool two_by_two(const uint16_t *xb, const PackedMatrix &w, int M, int m, int b0, int b1) {
   const int K = w.cols;
   const size_t stride = static_cast<size_t>(K) * kTile;  // uint16 values per block
@@ -222,7 +222,9 @@ AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float 
         now.two_rows = two_by_two(xb, w, M, m, b, b + I / kTile);
         if (before.m >= 0) finish_gated(before, I, out, out_b, M, act);
         stash(now.two_rows, now.c);
-        now.m = m, now.b = b, before.m = -1;
+        now.m = m;
+        now.b = b;
+        before.m = -1;
         next ^= 1;
       }
   }
