@@ -68,8 +68,7 @@ def resident_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     without writing; where the kernel lacks it (before 5.14), the zeros are written.
 
     The page boundary: glibc puts a large block 16 bytes past one, and the kernels' 64-byte K/V
-    rows then straddle cache lines (a 2,000-token bf16 prefill's attention took 6.4-6.7 ms a
-    layer with its cache 16 bytes off, 5.0-5.5 ms on the boundary)."""
+    rows would then straddle cache lines, two lines read for every row (docs/cpu_engine.md)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.zeros(nbytes + PAGE, dtype=np.uint8)  # calloc: untouched zero pages
