@@ -2,7 +2,8 @@
 fp32 arithmetic over the same bf16 cache, one layer of SmolLM2's shape (9 query heads, 3 KV
 heads, head size 64, blocks of 16 slots scattered over the cache), milliseconds a call.
 
-    .venv/bin/python benchmarks/bf16_attention.py [--threads 2] [--rounds 3]
+    .venv/bin/python benchmarks/bf16_attention.py [--threads 2] [--rounds 3] [--cases decode prefill]
+        [--bf16-only] [--seconds 0.5]
 
 Cases: decode steps (one token a sequence) at 1, 16 and 64 sequences of 2,000 and 200
 positions, and one 2,000-token prompt's prefill (every position a query). The two kernels
@@ -56,22 +57,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"])
+    ap.add_argument("--bf16-only", action="store_true", help="time the bf16 kernel alone (e.g. to compare two builds)")
+    ap.add_argument("--seconds", type=float, default=0.5, help="calls a reading runs for")
     args = ap.parse_args()
     form = _C.bf16_attention_form(HEAD_DIM)
     if not form:
         raise SystemExit("this CPU has neither AMX-BF16 nor AVX512-BF16: bf16_math would widen, the same kernel")
     cases = [("decode", s, c) for s in (1, 16, 64) for c in (2000, 200)] + [("prefill", 1, 2000)]
+    cases = [c for c in cases if c[0] in args.cases]
     print(f"bf16 form: {form}")
     print(f"{'case':<28} {'fp32 ms':>18} {'bf16 ms':>18} {'fp32 / bf16':>12}")
     for kind, seqs, ctx in cases:
         case = make_case(seqs, ctx, kind == "prefill")
         fp32, amx = [], []
         for _ in range(args.rounds):
-            fp32.append(time_call(case, False, args.threads))
-            amx.append(time_call(case, True, args.threads))
+            if not args.bf16_only:
+                fp32.append(time_call(case, False, args.threads, args.seconds))
+            amx.append(time_call(case, True, args.threads, args.seconds))
         name = f"{kind} {seqs} x {ctx}"
-        ratios = ", ".join(f"{a / b:.2f}" for a, b in zip(fp32, amx, strict=True))
-        print(f"{name:<28} {min(fp32):>8.3f}-{max(fp32):<9.3f} {min(amx):>8.3f}-{max(amx):<9.3f} {ratios}")
+        spread = f"{min(fp32):>8.3f}-{max(fp32):<9.3f}" if not args.bf16_only else f"{'-':>18}"
+        ratios = "-" if args.bf16_only else ", ".join(f"{a / b:.2f}" for a, b in zip(fp32, amx, strict=True))
+        print(f"{name:<28} {spread} {min(amx):>8.3f}-{max(amx):<9.3f} {ratios}")
 
 
 if __name__ == "__main__":
