@@ -1,7 +1,8 @@
 """The bf16 product's kernels against the machine: one thread, SmolLM2-135M's matrices, in
 GFLOP/s over the thread's CPU time, next to one core's peaks measured by a loop of register
 chains in the same process (`_C.dot_peak_gflops`: vdpbf16ps, and 512-bit fp32 FMA) and AMX's
-tile products on tiles loaded once (`_C.amx_peak_gflops`), and next
+tile products on tiles loaded once (`_C.amx_peak_gflops`; and `_C.amx_fma_overlap`: whether
+the tiles and the vector units multiply side by side or take turns), and next
 to our fp32 path on the same bf16 weights (format "bf16", widened in registers). Paths: AMX
 tiles (the default where the CPU has AMX-BF16; its columns read "-" on a CPU without AMX) and
 vdpbf16ps ("native").
@@ -65,6 +66,11 @@ def main() -> None:
     peak_amx = max(_C.amx_peak_gflops() for _ in range(args.rounds))
     print(f"one core's peaks (thread CPU time): vdpbf16ps {peak16:.1f} GFLOP/s, 512-bit fp32 FMA {peak32:.1f}, "
           f"AMX {peak_amx:.1f}")
+    if has_amx:
+        tiles, fmas, both = min((_C.amx_fma_overlap() for _ in range(args.rounds)), key=lambda t: t[2])
+        print(f"tile products and 512-bit FMAs in one loop: {1e3 * both:.1f} ms against {1e3 * tiles:.1f} and "
+              f"{1e3 * fmas:.1f} alone ({both / (tiles + fmas):.0%} of their sum; side by side would be "
+              f"{max(tiles, fmas) / (tiles + fmas):.0%})")
     print("GFLOP/s per path and % of its own peak; AMX's speed-up over fp32")
     print(f"{'matrix':<8} {'rows':>5} {'AMX':>8} {'(% peak)':>8} {'AMX wt GB/s':>11} {'vdpbf16ps':>10} {'(% peak)':>8} "
           f"{'fp32':>8} {'(% peak)':>8} {'AMX/fp32':>8}")

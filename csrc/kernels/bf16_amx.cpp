@@ -210,8 +210,8 @@ AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float 
   amx_configure_tiles();
   const int I = w.rows / 2, first = j0 / kTile, end = j1 / kTile;
   const int chunk = chunk_blocks(w.cols) / 2;  // a gate block and its up block
-  // Each row pair's activation runs after the next pair's tile products are issued: the vector
-  // units work on it while the tiles multiply, where in turn each waited on the other.
+  // Each row pair's activation runs after the next pair's tile products are issued, not right
+  // after its own: the tiles have their next operands in hand while the vector units work.
   GatedTiles tiles[2];
   int next = 0;
   for (int c0 = first; c0 < end; c0 += chunk) {

@@ -14,4 +14,10 @@ double dot_peak_gflops(bool bf16, long iters);
 // calling thread's CPU time, 16 x 16 x 32 multiply-adds a product; 0 where bf16_amx_available() is false.
 double amx_peak_gflops(long iters);
 
+// Seconds of the calling thread's CPU time for `iters` rounds of: four TDPBF16PS (amx_loop's
+// round), 12 chains of 8 512-bit FMAs each, and both in one loop, in out[0..2]. Where the
+// tiles and the vector units work side by side, both take about the longer of the two alone;
+// where they take turns, their sum. All zeros where bf16_amx_available() is false.
+void amx_fma_overlap(long iters, double out[3]);
+
 }  // namespace deepinfer

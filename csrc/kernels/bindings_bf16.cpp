@@ -111,6 +111,17 @@ void bind_bf16_kernels(py::module_ &m) {
       }, py::arg("iters") = 2000000,
         "One core's AMX peak in GFLOP/s: four TDPBF16PS a round into four C tiles from tiles loaded once\n"
         "(the 2 x 2 tiles the AMX products use); 0 where AMX-BF16 is not available.");
+  m.def("amx_fma_overlap", [](long iters) {
+        double out[3];
+        {
+          py::gil_scoped_release release;
+          amx_fma_overlap(iters, out);
+        }
+        return py::make_tuple(out[0], out[1], out[2]);
+      }, py::arg("iters") = 1000000,
+        "(tiles, fmas, both): thread CPU seconds of `iters` rounds of four TDPBF16PS, of 96 512-bit FMAs in\n"
+        "12 chains, and of both in one loop; near max(tiles, fmas) where they overlap, near the sum where\n"
+        "they take turns. Zeros where AMX-BF16 is not available.");
   m.def("bf16_dot_paths", [] {
         std::vector<std::string> out;
         for (Bf16DotPath p : kPaths)

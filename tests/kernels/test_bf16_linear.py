@@ -212,6 +212,21 @@ def test_amx_peak_is_measured_where_amx_runs_and_zero_where_it_does_not():
     assert float(done.stdout) == 0.0
 
 
+def test_amx_fma_overlap_is_measured_where_amx_runs_and_zero_where_it_does_not():
+    """bf16_kernels.py reads whether the tiles and the vector units work side by side from
+    these three CPU times: each loop measured where AMX runs, zeros (no tile op) where not."""
+    times = _C.amx_fma_overlap(2000)
+    assert len(times) == 3
+    if AMX:
+        assert all(np.isfinite(t) and t > 0 for t in times)
+    else:
+        assert times == (0.0, 0.0, 0.0)
+    done = subprocess.run([sys.executable, "-c", "from deepinfer_dp import _C; print(*_C.amx_fma_overlap(2000))"],
+                          env={**os.environ, "DEEPINFER_DP_BF16_AMX": "0"}, check=True, timeout=120,
+                          capture_output=True, text=True)
+    assert [float(t) for t in done.stdout.split()] == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: PackedWeight(np.zeros((8, 64), np.uint8), "bf16_pairs", 32), "multiple of 16"),
     (lambda: _C.bf16_pairs_pack(np.zeros((8, 4), np.uint16), np.zeros((8, 8), np.uint8)), "multiple of 16"),
