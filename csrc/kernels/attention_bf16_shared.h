@@ -35,7 +35,8 @@ struct Call {
   const int32_t *tables, *rows, *lens;
   float scale;
   float *out;
-  bool amx;  // the products on AMX tiles, else on vdpbf16ps
+  uint16_t *out_b;  // set: the outputs rounded to bf16 here instead (out unused)
+  bool amx;         // the products on AMX tiles, else on vdpbf16ps
 };
 
 // Rows [begin, end) of a span's rows (query t0 + i / G, head kv * G + i % G) for each KV head

@@ -58,7 +58,7 @@ int64_t heads_row_stride(const py::array_t<float> &x, const char *op, const char
 
 template <class Cache>
 PagedAttentionShape check_shapes(const F32Rows &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
-                                 const I32 &context_lens, const F32 &out) {
+                                 const I32 &context_lens, const py::array &out) {
   require(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 4 && v_cache.ndim() == 4 &&
               block_tables.ndim() == 2 && context_lens.ndim() == 1,
           "want q/out [T, H, D], caches [blocks, block_size, Hkv, D], block_tables [S, n], context_lens [T]");
@@ -86,13 +86,25 @@ PagedAttentionShape check_shapes(const F32Rows &q, const Cache &k_cache, const C
   return s;
 }
 
+// Where paged_attention writes: out float32, or uint16 for the outputs rounded to bf16 (a
+// bf16 product's rows), which only the bf16 kernel writes.
+void check_out(const py::array &out, const PagedAttentionShape &s, bool bf16_cache) {
+  const bool f32 = out.dtype().is(py::dtype::of<float>()), u16 = out.dtype().is(py::dtype::of<uint16_t>());
+  if (!(f32 || u16) || !(out.flags() & py::array::c_style))  // as a mistyped array of the other arguments
+    throw py::type_error("paged_attention: out must be C-contiguous float32, or uint16 (bf16)");
+  require(f32 || (s.bf16_math && bf16_cache && paged_attention_bf16_fits(s)),
+          "out in bf16 (uint16) needs bf16_math over a bf16 cache where the bf16 kernel runs (bf16_attention_form)");
+}
+
 // Cache: F32, or U16 for a bf16 cache (the overload pybind11 picks by the caches' dtype).
 template <class Cache>
 void paged_attention_py(const F32Rows &q, const Cache &k_cache, const Cache &v_cache, const I32 &block_tables,
-                        const I32 &context_lens, F32 &out, float scale, int num_threads,
+                        const I32 &context_lens, py::array &out, float scale, int num_threads,
                         const std::optional<I32> &query_rows, int window, bool bf16_math) {
   PagedAttentionShape s = check_shapes(q, k_cache, v_cache, block_tables, context_lens, out);
   s.bf16_math = bf16_math;
+  const bool bf16_cache = std::is_same<Cache, U16>::value;
+  check_out(out, s, bf16_cache);
   require(num_threads >= 1, "num_threads must be >= 1");
   require(window >= 0, "window must be >= 0 (0: no sliding window)");
   s.window = window;
@@ -111,12 +123,17 @@ void paged_attention_py(const F32Rows &q, const Cache &k_cache, const Cache &v_c
   const std::string error = paged_context_error(s, tables, rows, lens);
   require(error.empty(), error);
   require(static_cast<int64_t>(s.num_queries) * s.num_kv_heads <= INT_MAX, "too many queries x KV heads");
-  float *dst = out.mutable_data();
+  void *dst = out.mutable_data();
   const float *qp = q.data();
   const void *kp = k_cache.data(), *vp = v_cache.data();
-  const KvDtype dtype = std::is_same<Cache, U16>::value ? KvDtype::kBF16 : KvDtype::kF32;
+  const KvDtype dtype = bf16_cache ? KvDtype::kBF16 : KvDtype::kF32;
+  const bool rounded = out.dtype().is(py::dtype::of<uint16_t>());
   py::gil_scoped_release release;  // the host thread keeps working while this runs
-  paged_attention_threaded(s, qp, kp, vp, dtype, tables, rows, lens, scale, dst, num_threads);
+  if (rounded)
+    paged_attention_bf16(s, qp, static_cast<const uint16_t *>(kp), static_cast<const uint16_t *>(vp), tables, rows,
+                         lens, scale, nullptr, num_threads, static_cast<uint16_t *>(dst));
+  else
+    paged_attention_threaded(s, qp, kp, vp, dtype, tables, rows, lens, scale, static_cast<float *>(dst), num_threads);
 }
 
 // Cache: F32, or U16 for a bf16 cache. The slots are copied and checked against the cache
@@ -312,7 +329,8 @@ void bind_kernels(py::module_ &m) {
         py::arg("out").noconvert(), py::arg("scale"), py::arg("num_threads") = 1,
         py::arg("query_rows").noconvert() = py::none(), py::arg("window") = 0, py::arg("bf16_math") = false,
         "Attention of each query row over its own context, read in place from the paged KV cache.\n"
-        "q/out [T, H, D] float32, caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
+        "q/out [T, H, D] float32 (out uint16: the outputs rounded to bf16, with bf16_math over a bf16 cache\n"
+        "where bf16_attention_form is not ''), caches [num_blocks, block_size, Hkv, D] float32, block_tables\n"
         "[S, max_blocks] int32, context_lens [T] int32 (positions each query sees, itself included),\n"
         "query_rows [T] int32 (its block-table row; None: row t, as in decode); all C-contiguous but q,\n"
         "whose rows may lie apart (its heads contiguous: q inside a fused qkv output).\n"

@@ -149,12 +149,19 @@ BF16_TARGET void finish_tile(const Call &c, const Tile &tl, const float *o) {
   for (int d = 0; d < 32; ++d) index[d] = d % 8 < 4 ? 4 * (d / 8) + d % 8 : 16 + 4 * (d / 8) + d % 8 - 4;
   const __m512i first = _mm512_load_si512(index), second = _mm512_load_si512(index + 16);
   for (int j = 0; j < tl.count; ++j) {
-    float *dst = c.out + (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
+    const size_t at = (static_cast<size_t>(tl.t[j]) * c.s.num_heads + tl.head[j]) * D;
     const __m512 l = _mm512_set1_ps(tl.l[j]);
     for (int ch = 0; ch < D / 32; ++ch) {
       const __m512 lo = _mm512_loadu_ps(o + j * D + ch * 32), hi = _mm512_loadu_ps(o + j * D + ch * 32 + 16);
-      _mm512_storeu_ps(dst + ch * 32, _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), l));
-      _mm512_storeu_ps(dst + ch * 32 + 16, _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), l));
+      const __m512 a = _mm512_div_ps(_mm512_permutex2var_ps(lo, first, hi), l);
+      const __m512 b = _mm512_div_ps(_mm512_permutex2var_ps(lo, second, hi), l);
+      if (c.out_b) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(c.out_b + at + ch * 32), bf16_round16(a));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(c.out_b + at + ch * 32 + 16), bf16_round16(b));
+      } else {
+        _mm512_storeu_ps(c.out + at + ch * 32, a);
+        _mm512_storeu_ps(c.out + at + ch * 32 + 16, b);
+      }
     }
   }
 }
@@ -280,9 +287,10 @@ const char *paged_attention_bf16_form(const PagedAttentionShape &shape) {
 
 void paged_attention_bf16(const PagedAttentionShape &shape, const float *q, const uint16_t *k_cache,
                          const uint16_t *v_cache, const int32_t *block_tables, const int32_t *query_rows,
-                         const int32_t *context_lens, float scale, float *out, int threads) {
+                         const int32_t *context_lens, float scale, float *out, int threads, uint16_t *out_b) {
   if (shape.num_queries <= 0) return;
-  const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens, scale, out, bf16_amx_available()};
+  const Call c{shape, q,   k_cache, v_cache, block_tables, query_rows, context_lens,
+               scale, out, out_b,   bf16_amx_available()};
   const std::vector<Unit> units = make_units(c, threads);
   shared_pool(threads).run(static_cast<int>(units.size()), threads, [&](int u) {
     thread_local Scratch scratch;
@@ -292,7 +300,7 @@ void paged_attention_bf16(const PagedAttentionShape &shape, const float *q, cons
 #else
 const char *paged_attention_bf16_form(const PagedAttentionShape &) { return ""; }
 void paged_attention_bf16(const PagedAttentionShape &, const float *, const uint16_t *, const uint16_t *,
-                         const int32_t *, const int32_t *, const int32_t *, float, float *, int) {}
+                         const int32_t *, const int32_t *, const int32_t *, float, float *, int, uint16_t *) {}
 #endif
 
 bool paged_attention_bf16_fits(const PagedAttentionShape &shape) { return *paged_attention_bf16_form(shape) != 0; }

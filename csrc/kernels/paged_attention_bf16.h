@@ -32,9 +32,12 @@ const char *paged_attention_bf16_form(const PagedAttentionShape &shape);
 bool paged_attention_bf16_fits(const PagedAttentionShape &shape);
 
 // As paged_attention_threaded over a bf16 cache; q and out fp32, each query row's q rounded to
-// bf16 as torch rounds. The caller checked the contexts (paged_context_error).
+// bf16 as torch rounds. The caller checked the contexts (paged_context_error). With out_b set
+// (out unused), each output is rounded to bf16 as bf16_round_rows rounds it, for a bf16 product
+// that takes the rows next: the same floats it would round itself, at half the bytes.
 void paged_attention_bf16(const PagedAttentionShape &shape, const float *q, const uint16_t *k_cache,
                          const uint16_t *v_cache, const int32_t *block_tables, const int32_t *query_rows,
-                         const int32_t *context_lens, float scale, float *out, int threads);
+                         const int32_t *context_lens, float scale, float *out, int threads,
+                         uint16_t *out_b = nullptr);
 
 }  // namespace deepinfer

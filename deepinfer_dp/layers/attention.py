@@ -104,27 +104,29 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounded: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]; rounded: in bf16 where the bf16 kernel
+        runs (rows for a product that rounds them itself, packed.takes_bf16_rows), else as q."""
         md = self.context.attn_metadata
         if md is None or self.k_cache is None:
             raise RuntimeError("attention needs bind_kv_cache() and attention metadata first")
         md = md.for_group(self.kv_group)
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        rounded = rounded and self.bf16_math
         if md.is_prefill:
-            out = self._prefill(q, k, v, md)
+            out = self._prefill(q, k, v, md, rounded)
         else:
-            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale, self.window, self.bf16_math)
+            out = decode_attention(q, self.k_cache, self.v_cache, md, self.scale, self.window, self.bf16_math, rounded)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 md: AttentionMetadata) -> torch.Tensor:
+                 md: AttentionMetadata, rounded: bool = False) -> torch.Tensor:
         kernel = md.max_query_len <= KERNEL_MAX_QUERY_LEN or cpu_threads.wide_threads() > 1 \
             or cpu_threads.batch_invariant() or (self.bf16_math and bool(_C.bf16_attention_form(self.head_dim)))
         if _use_cpu_kernel(q, self.k_cache) and kernel:
             rows, lens = prefill_queries(md)
             return paged_attention_cpu(q, self.k_cache, self.v_cache, md.block_tables, lens, rows, self.scale,
-                                       self.window, self.bf16_math)
+                                       self.window, self.bf16_math, rounded)
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
@@ -216,16 +218,17 @@ def _decode_layout(md: AttentionMetadata, block_size: int, window: int) -> tuple
     return md.derived[key]
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     md: AttentionMetadata, scale: float, window: int = 0, bf16_math: bool = False) -> torch.Tensor:
-    """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call."""
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                     scale: float, window: int = 0, bf16_math: bool = False, rounded: bool = False) -> torch.Tensor:
+    """One query token per sequence: q [S, H, D] -> [S, H, D], all sequences in one call
+    (rounded: as paged_attention_cpu's)."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs != md.block_tables.shape[0]:
         raise ValueError(f"a decode step has one token per sequence: got {num_seqs} tokens "
                          f"for {md.block_tables.shape[0]} sequences")
     if _use_cpu_kernel(q, k_cache):
         return paged_attention_cpu(q, k_cache, v_cache, md.block_tables, md.seq_lens.numpy(), None, scale, window,
-                                   bf16_math)
+                                   bf16_math, rounded)
     return _gathered_decode_attention(q, k_cache, v_cache, md, scale, window)
 
 
@@ -236,14 +239,16 @@ def _use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: np.ndarray, query_rows: np.ndarray | None, scale: float,
-                        window: int = 0, bf16_math: bool = False) -> torch.Tensor:
+                        window: int = 0, bf16_math: bool = False, rounded: bool = False) -> torch.Tensor:
     """The C++ kernel: each query row attends over its own context (its last `window`
     positions, when set), read in place through the block tables (no gathered copy, no
     per-sequence SDPA setup), on torch's threads; bf16_math: in bf16 arithmetic (Attention.bf16_math).
-    q's rows may lie apart (read in place inside the qkv output); out is contiguous."""
-    out = torch.empty(q.shape, dtype=q.dtype)
+    q's rows may lie apart (read in place inside the qkv output); out is contiguous. rounded:
+    out in bf16 where the bf16 kernel writes it (a bf16 cache under bf16_math), else fp32."""
+    rounded = rounded and bf16_math and k_cache.dtype == torch.bfloat16 and bool(_C.bf16_attention_form(q.shape[-1]))
+    out = torch.empty(q.shape, dtype=torch.bfloat16 if rounded else q.dtype)
     _C.paged_attention(_heads_rows(q).numpy(), kernel_array(k_cache), kernel_array(v_cache), block_tables.numpy(),
-                       context_lens, out.numpy(), scale, cpu_threads.kernel_threads(),
+                       context_lens, kernel_array(out), scale, cpu_threads.kernel_threads(),
                        query_rows, window, bf16_math=bf16_math)
     return out
 

@@ -132,7 +132,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm == "head":  # Qwen3 normalizes each head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rounded=takes_bf16_rows(self.o_proj)))
 
 
 class LlamaMLP(nn.Module):

@@ -118,6 +118,28 @@ def test_an_fp32_cache_keeps_fp32_arithmetic():
     assert np.array_equal(attend(q, wide, table, rows, lens), attend(q, wide, table, rows, lens, bf16_math=False))
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES[:2])
+def test_outputs_rounded_to_bf16_are_the_fp32_outputs_as_a_product_rounds_them(heads, kv_heads, head_dim,
+                                                                             block_size):
+    """A uint16 out gets each output rounded as the bf16 product taking the rows rounds them
+    (bf16_round): prefill rows and decode rows; an fp32 cache or fp32 arithmetic refuses it."""
+    q, caches, table, rows, lens = make_case([150, 70, 3], heads, kv_heads, head_dim, block_size, seed=5)
+    last = np.cumsum([150, 70, 3]) - 1
+    for q_, table_rows, lens_ in ((q, rows, lens), (q[last], None, lens[last])):
+        want = np.empty((len(q_), heads * head_dim), np.uint16)
+        _C.bf16_round(attend(q_, caches, table, table_rows, lens_).reshape(len(q_), -1), want)
+        got = np.full(q_.shape, 0xFFFF, np.uint16)
+        _C.paged_attention(np.ascontiguousarray(q_), caches[0], caches[1], table, np.ascontiguousarray(lens_), got,
+                           head_dim ** -0.5, 2, table_rows if table_rows is None else np.ascontiguousarray(table_rows),
+                           bf16_math=True)
+        assert np.array_equal(got.reshape(len(q_), -1), want)
+    wide = [torch.from_numpy(c).view(torch.bfloat16).float().numpy() for c in caches]
+    for cache, bf16_math in ((caches, False), (wide, True)):
+        with pytest.raises(ValueError, match="out in bf16"):
+            _C.paged_attention(q, cache[0], cache[1], table, lens, np.empty(q.shape, np.uint16), 0.125, 2, rows,
+                               bf16_math=bf16_math)
+
+
 @pytest.mark.skipif(_C.bf16_attention_form(64) != "amx", reason="the vdpbf16ps form is this CPU's own form")
 def test_the_vdpbf16ps_form_on_an_amx_cpu():
     """An AMX CPU takes the tiles; with DEEPINFER_DP_BF16_AMX=0 (read once a process) the same
