@@ -289,8 +289,8 @@ void paged_attention_bf16(const PagedAttentionShape &shape, const float *q, cons
                          const uint16_t *v_cache, const int32_t *block_tables, const int32_t *query_rows,
                          const int32_t *context_lens, float scale, float *out, int threads, uint16_t *out_b) {
   if (shape.num_queries <= 0) return;
-  const Call c{shape, q,   k_cache, v_cache, block_tables, query_rows, context_lens,
-               scale, out, out_b,   bf16_amx_available()};
+  const Call c{shape, q, k_cache, v_cache, block_tables, query_rows, context_lens,
+               scale, out, out_b, bf16_amx_available()};
   const std::vector<Unit> units = make_units(c, threads);
   shared_pool(threads).run(static_cast<int>(units.size()), threads, [&](int u) {
     thread_local Scratch scratch;

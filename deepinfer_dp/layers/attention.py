@@ -112,7 +112,6 @@ class Attention(nn.Module):
             raise RuntimeError("attention needs bind_kv_cache() and attention metadata first")
         md = md.for_group(self.kv_group)
         store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        rounded = rounded and self.bf16_math
         if md.is_prefill:
             out = self._prefill(q, k, v, md, rounded)
         else:
