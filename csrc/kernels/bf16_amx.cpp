@@ -224,7 +224,6 @@ AMX_KERNEL void bf16_amx_gated(const uint16_t *xb, const PackedMatrix &w, float 
         stash(now.two_rows, now.c);
         now.m = m;
         now.b = b;
-        before.m = -1;
         next ^= 1;
       }
   }
