@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from deepinfer_dp import _C
+from deepinfer_dp.layers.packed import PackedWeight
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -59,8 +60,6 @@ def handover_times(threads: int, rounds: int, seconds: float) -> None:
     """One 2,000-token prompt's attention followed by its output projection (576 x 576 bf16,
     SmolLM2's), the attention's output handed over in fp32 (the product rounds it) or already
     rounded by the kernel (uint16 out, the model's path): the same floats, checked."""
-    from deepinfer_dp.layers.packed import PackedWeight
-
     q, k, v, table, lens, rows = make_case(1, 2000, True)
     width = HEADS * HEAD_DIM
     weight = PackedWeight.from_bf16((torch.randn(576, width) * 0.05).bfloat16()).to_bf16_pairs()
