@@ -186,15 +186,21 @@ class LLMEngine:
         its peer mid-step), that step's tokens never come, so every request of this rank is
         aborted; returns their ids and the cause, for the caller to fail them with. The engine
         is then empty and usable again. ([], "") when no step was lost (the vote failed
-        between steps): the requests go on in the re-formed group."""
+        between steps): the requests go on in the re-formed group.
+
+        Every request the engine holds is returned, also one the scheduler no longer has: a
+        prompt step post-processes the deferred step before its own sample fails, so a finish
+        can be applied whose output never left this rank (the caller ignores ids it has seen
+        finish); and one still waiting for its grammar or images."""
         self.worker.drain()  # a forward queued behind the failed one must not touch freed blocks
         dispatcher = getattr(self.worker.runner.model, "dispatcher", None)
         if dispatcher is None or dispatcher.broken is None:
             return [], ""
         self.worker.prev_step_state = None
         self.scheduler.release_outputs()
-        lost = [rid for rid in list(self.requests) if self.scheduler.abort(rid) is not None]
-        for rid in list(self.requests):
+        lost = list(self.requests)
+        for rid in lost:
+            self.scheduler.abort(rid)
             self._forget(rid)
         self._prompt_logprobs.clear()
         self._finished.clear()

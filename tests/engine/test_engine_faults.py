@@ -4,6 +4,8 @@ others on the same engine finish token-identical."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from model_utils import prompts_of_lengths, token_ids
 
@@ -55,3 +57,29 @@ def test_a_failure_in_one_requests_post_processing_fails_that_request_only(tiny_
         llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     engine._check_stop_strings = real
     assert token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)) == expected
+
+
+def test_a_lost_step_reports_every_request_the_engine_held_even_one_it_had_finished(tiny_model_dir):
+    """drop_lost_step (a MoE step failed with its peer) returns every request the engine held:
+    also one whose finish was applied while the failing step's outputs never left the rank,
+    which the scheduler no longer has. Left out, its stream would wait forever."""
+    llm = LLM(tiny_model_dir, decode_sequence=False)
+    engine = llm.llm_engine
+    short = engine.add_request(prompt_token_ids=[5, 6, 7], sampling_params=GREEDY)
+    long = engine.add_request(prompt_token_ids=[8, 9, 10, 11], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True))
+    while not any(o.request_id == short and o.finished for o in engine.step()):
+        pass  # the short one's finish is applied; say its output never left the rank
+    assert short in engine.requests and engine.scheduler.get_sequence(short) is None
+    model = engine.worker.runner.model
+    model.dispatcher = SimpleNamespace(broken="peer rank(s) [1] died")
+    try:
+        lost, cause = engine.drop_lost_step()
+    finally:
+        del model.dispatcher
+    assert sorted(lost) == sorted([short, long]) and cause == "peer rank(s) [1] died"
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_usable_blocks
+    expected = token_ids(LLM(tiny_model_dir, decode_sequence=False).generate(
+        prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False))
+    assert token_ids(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)) == expected
